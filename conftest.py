@@ -28,7 +28,7 @@ def save_tiny_checkpoint(path, arch: str = "llama", seed: int = 0, **overrides) 
     """Save a small random causal LM (``arch`` is 'llama' or 'qwen3') with a GQA layout.
 
     Weights are scaled up from the default init so greedy decoding is not a constant token.
-    The vocabulary is the embedded default model's tokenizer, so text prompts work too.
+    There is no tokenizer: prompts are token ids below ``vocab_size``.
     """
     from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config,
                               Qwen3ForCausalLM)
