@@ -1,0 +1,563 @@
+"""The two-phase scheduler of vLLM V1, rebuilt: who runs this step, and with how many tokens.
+
+Every step the engine asks :meth:`Scheduler.schedule` for a batch, runs one forward over it and
+hands the sampled tokens back to :meth:`Scheduler.update_from_output`. The scheduler works at the
+level of *tokens*: each request carries ``num_computed_tokens`` (tokens whose K/V is already in
+the cache, chapter 01) and a step gives it ``num_tokens - num_computed_tokens`` more tokens — a
+whole prompt, one decode token, or a decode token plus speculative draft tokens (chapter 05).
+
+Two phases, under a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``):
+
+1. **Running requests first**, in order. A request that cannot get KV blocks preempts another
+   one (FCFS: the newest running request; priority: the least important, latest arrival) until
+   it fits or is itself the victim. Preemption is *recompute*: the victim returns its blocks,
+   restarts from ``num_computed_tokens = 0`` at the head of the waiting queue, and on its way
+   back in usually finds its prompt in the prefix cache (chapter 03).
+2. **Then waiting requests**, only if nothing was preempted this step (admitting a new request
+   right after taking blocks from a running one would just preempt it again). A waiting request
+   is admitted when its prefix-cache hits plus its new tokens get blocks.
+
+Without chunked prefill (this chapter) a waiting request is admitted only if its whole remaining
+prompt fits the remaining budget; chapter 06's ``ChunkedPrefillScheduler`` overrides one method,
+:meth:`Scheduler._num_new_tokens`, to cut prompts into chunks instead.
+
+Seed 000's sketch of this file left a preempted request in the running list *and* the waiting
+queue (it could be scheduled twice, or spin forever), recomputed block needs by hand instead of
+asking the block manager, ignored prefix hits and counted EOS as token id 2; this version fixes
+each of those, and ``scheduler_testing.py`` proves it on thousands of random steps.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from block_manager import BlockManager, cdiv
+from sequence import Sequence
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life. Every ``FINISHED_*`` status is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3  # EOS, or a stop string (the engine calls finish_request)
+    FINISHED_LENGTH = 4  # max_tokens reached
+    FINISHED_ABORTED = 5  # the client went away, or the engine gave up on it
+    FINISHED_LENGTH_CAPPED = 4  # seed 000's name for FINISHED_LENGTH (an alias, same member)
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status >= RequestStatus.FINISHED_STOPPED
+
+
+# Breaks ties between requests that arrived at the same instant: first created, first served.
+_request_counter = itertools.count()
+
+
+class Request(Sequence):
+    """A generation request: chapter 01's :class:`Sequence` plus status, priority and stop rules.
+
+    Args:
+        request_id: unique name of the request.
+        prompt_token_ids: the prompt.
+        max_tokens: most tokens to generate (at least 1).
+        priority: with ``policy="priority"``, *lower values are served first* (vLLM's
+            convention; 0 is the default and the most common value).
+        arrival_time: seconds (``time.time()`` when omitted); orders requests of equal priority.
+        eos_token_id: token id, or several, that end the request (``None``: never).
+        ignore_eos: keep generating past EOS (benchmarks use it to fix the output length).
+        block_size, cache_salt: passed to :class:`Sequence`.
+
+    ``spec_token_ids`` holds the draft tokens proposed for the next step (chapter 05); the engine
+    sets it before :meth:`Scheduler.schedule` and the scheduler clears it once they are verified.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: Iterable[int], max_tokens: int = 16,
+                 priority: int = 0, arrival_time: float | None = None,
+                 eos_token_id: int | Iterable[int] | None = None, ignore_eos: bool = False,
+                 block_size: int = 16, cache_salt: str | None = None):
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        super().__init__(prompt_token_ids, block_size=block_size, cache_salt=cache_salt)
+        self.request_id = request_id
+        self.max_tokens = max_tokens
+        self.priority = priority
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.eos_token_id = eos_token_id
+        if eos_token_id is None:
+            self.eos_token_ids: frozenset[int] = frozenset()
+        elif isinstance(eos_token_id, int):
+            self.eos_token_ids = frozenset((eos_token_id,))
+        else:
+            self.eos_token_ids = frozenset(eos_token_id)
+        self.ignore_eos = ignore_eos
+        self.status = RequestStatus.WAITING
+        self.spec_token_ids: list[int] = []
+        self.num_preemptions = 0
+        self.order = next(_request_counter)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.completion_token_ids
+
+    @property
+    def max_num_kv_tokens(self) -> int:
+        """Most tokens this request ever holds K/V for: the final sampled token is never fed."""
+        return self.num_prompt_tokens + self.max_tokens - 1
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs: the batch, in the order the forward must process it.
+
+    ``num_computed_tokens[rid]`` is the request's first position this step (tokens before it are
+    already in the KV cache, prefix hits included); the step feeds positions
+    ``[start, start + num_scheduled_tokens[rid])``: the request's known tokens from ``start``,
+    then its ``scheduled_spec_decode_tokens``. A request *samples* this step when those positions
+    reach the end of its known tokens (:meth:`produces_token`); a prompt chunk that stops short
+    samples nothing.
+    """
+
+    scheduled_requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    num_computed_tokens: dict[str, int] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    preempted_requests: list[Request] = field(default_factory=list)
+    finished_request_ids: set[str] = field(default_factory=set)
+    sampling_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    total_tokens = total_num_scheduled_tokens  # seed 000's name
+
+    @property
+    def num_scheduled_requests(self) -> int:
+        return len(self.scheduled_requests)
+
+    def is_empty(self) -> bool:
+        return not self.scheduled_requests
+
+    def produces_token(self, request: Request | str) -> bool:
+        rid = request if isinstance(request, str) else request.request_id
+        return rid in self.sampling_request_ids
+
+    @property
+    def sampling_requests(self) -> list[Request]:
+        """Scheduled requests that sample at least one token this step, in batch order."""
+        return [r for r in self.scheduled_requests if r.request_id in self.sampling_request_ids]
+
+    def input_token_ids(self, request: Request) -> list[int]:
+        """The token ids this step feeds for ``request`` (its known tokens, then its drafts)."""
+        rid = request.request_id
+        start = self.num_computed_tokens[rid]
+        spec = self.scheduled_spec_decode_tokens.get(rid, [])
+        end = start + self.num_scheduled_tokens[rid] - len(spec)
+        return request.token_ids[start:end] + spec
+
+    def positions(self, request: Request) -> range:
+        start = self.num_computed_tokens[request.request_id]
+        return range(start, start + self.num_scheduled_tokens[request.request_id])
+
+
+class FCFSQueue:
+    """The waiting queue of ``policy="fcfs"``: arrival order; preempted requests jump the line."""
+
+    def __init__(self):
+        self._q: deque[Request] = deque()
+
+    def add(self, req: Request) -> None:
+        self._q.append(req)
+
+    def add_preempted(self, req: Request) -> None:
+        self._q.appendleft(req)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, req: Request) -> None:
+        self._q.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+    def __contains__(self, req: Request) -> bool:
+        return req in self._q
+
+
+class PriorityQueue:
+    """The waiting queue of ``policy="priority"``: a heap on (priority, arrival_time, order).
+
+    A preempted request keeps its arrival time, so it goes back in ahead of everything of its
+    priority that arrived after it.
+    """
+
+    def __init__(self):
+        self._heap: list[tuple[int, float, int, Request]] = []
+
+    def add(self, req: Request) -> None:
+        heapq.heappush(self._heap, (req.priority, req.arrival_time, req.order, req))
+
+    add_preempted = add
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, req: Request) -> None:
+        self._heap = [e for e in self._heap if e[3] is not req]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
+
+    def __contains__(self, req: Request) -> bool:
+        return any(e[3] is req for e in self._heap)
+
+
+class Scheduler:
+    """vLLM V1's scheduler without chunked prefill: running requests first, then waiting ones.
+
+    Args:
+        max_num_seqs: most requests in the running set (and so in one batch).
+        max_num_batched_tokens: the token budget of one step.
+        num_gpu_blocks: KV blocks of the default block manager.
+        policy: ``"fcfs"`` (arrival order) or ``"priority"`` (lower ``priority`` value first).
+        block_size: tokens per KV block; every request must use the same.
+        block_manager: a chapter 01 :class:`BlockManager` or a subclass (chapter 03's
+            ``PrefixCachingBlockManager``); by default ``BlockManager(num_gpu_blocks, block_size)``.
+    """
+
+    chunked_prefill = False
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, num_gpu_blocks: int,
+                 policy: str = "fcfs", block_size: int = 16, block_manager: BlockManager | None = None):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
+        if block_manager is None:
+            block_manager = BlockManager(num_gpu_blocks, block_size)
+        elif block_manager.block_size != block_size:
+            raise ValueError(f"block_size={block_size} differs from the block manager's "
+                             f"{block_manager.block_size}")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.block_size = block_size
+        self.block_manager = block_manager
+        self.waiting: FCFSQueue | PriorityQueue = FCFSQueue() if policy == "fcfs" else PriorityQueue()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every live (unfinished) request
+        self.finished_req_ids: set[str] = set()  # since the last schedule()
+        self.num_preemptions = 0
+        self.num_finished = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; raises ValueError if it could never be scheduled."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens or request.block_table:
+            raise ValueError(f"request {request.request_id!r} is not a fresh request")
+        if request.block_size != self.block_size:
+            raise ValueError(f"request block_size={request.block_size} differs from the "
+                             f"scheduler's {self.block_size}")
+        self._check_schedulable(request)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def _check_schedulable(self, request: Request) -> None:
+        # A request that alone does not fit in the cache would, once it ran out of blocks,
+        # preempt everything and then itself, forever: refuse it up front.
+        blocks = cdiv(request.max_num_kv_tokens, self.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
+                f"needs {blocks} KV blocks but the cache has {self.block_manager.num_blocks}")
+        # Without chunking a prompt goes through in one step, and so does the recompute of a
+        # preempted request (its prompt plus everything it generated): both must fit the budget.
+        if request.num_prompt_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens exceeds max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}; enable chunked prefill (chapter 06) or raise it")
+        if request.max_num_kv_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt ({request.num_prompt_tokens}) + max_tokens ({request.max_tokens}) - 1 "
+                f"exceeds max_num_batched_tokens={self.max_num_batched_tokens}: after a "
+                "preemption it could not be recomputed in one step; lower max_tokens, raise the "
+                "budget, or enable chunked prefill (chapter 06)")
+
+    def has_requests(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.has_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
+        """End a live request with a final ``status``, wherever it is; its blocks go back.
+
+        Returns False (and does nothing) for an unknown or already finished request, so a
+        client that disconnects after its request finished is harmless.
+        """
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"status must be a FINISHED_* status, got {status!r}")
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, status)
+        return True
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request in any state; returns whether there was one to abort."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.spec_token_ids = []
+        self.block_manager.free(req)
+        del self.requests[req.request_id]
+        self.finished_req_ids.add(req.request_id)
+        self.num_finished += 1
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's batch and reserve its KV slots."""
+        out = SchedulerOutput(finished_request_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        budget = self.max_num_batched_tokens
+        scheduled_running: list[Request] = []
+
+        # Phase 1: requests that already hold blocks.
+        for req in self._running_order():
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            if num_new == 0:
+                continue
+            scheduled = True
+            while not self.block_manager.allocate_slots(req, num_new):
+                victim = self._select_victim()
+                if victim in scheduled_running:
+                    scheduled_running.remove(victim)
+                    budget += out.num_scheduled_tokens.pop(victim.request_id)
+                    out.num_computed_tokens.pop(victim.request_id)
+                    out.scheduled_spec_decode_tokens.pop(victim.request_id, None)
+                self._preempt(victim)
+                out.preempted_requests.append(victim)
+                if victim is req:
+                    scheduled = False
+                    break
+            if scheduled:
+                scheduled_running.append(req)
+                self._record(out, req, num_new)
+                budget -= num_new
+
+        # Phase 2: new and preempted requests, unless this step had to take blocks away.
+        scheduled_new: list[Request] = []
+        if not out.preempted_requests:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting.peek()
+                num_new = self._admit(req, budget)
+                if num_new == 0:
+                    break  # the head of the queue waits; nothing may overtake it
+                self.waiting.pop()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled_new.append(req)
+                self._record(out, req, num_new)
+                budget -= num_new
+
+        out.scheduled_requests = scheduled_running + scheduled_new
+        self.num_steps += 1
+        return out
+
+    def _running_order(self) -> list[Request]:
+        """The order phase 1 visits running requests in (a snapshot: preemption edits the list)."""
+        return list(self.running)
+
+    def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
+        """Tokens (drafts included) to give ``req`` this step, from position ``num_computed``.
+
+        0 leaves the request out. Without chunking it is all of the request's uncomputed tokens
+        or nothing. Draft tokens are an extra: trimmed to the budget and to what ``max_tokens``
+        can still use.
+        """
+        num_new = req.num_tokens - num_computed
+        if num_new > budget:
+            return 0
+        return num_new + self._num_spec_tokens(req, num_computed, num_new, budget - num_new)
+
+    def _num_spec_tokens(self, req: Request, num_computed: int, num_new: int, budget: int) -> int:
+        if not req.spec_token_ids or num_computed + num_new != req.num_tokens:
+            return 0
+        if num_computed < req.num_prompt_tokens:
+            return 0  # drafts only ride on a decode step
+        still_useful = req.max_tokens - req.num_completion_tokens - 1
+        return max(0, min(len(req.spec_token_ids), budget, still_useful))
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Try to start ``req``: attach its prefix-cache hits and the slots of its first tokens."""
+        computed = self.block_manager.get_computed_blocks(req)
+        # The last token is always recomputed: its forward is what samples the next token.
+        max_hit_blocks = (req.num_tokens - 1) // self.block_size
+        computed = computed[:max_hit_blocks]
+        num_hit_tokens = len(computed) * self.block_size
+        num_new = self._num_new_tokens(req, num_hit_tokens, budget)
+        if num_new == 0 or not self.block_manager.allocate_slots(req, num_new, computed):
+            return 0
+        req.num_computed_tokens = num_hit_tokens
+        req.num_cached_tokens = num_hit_tokens
+        return num_new
+
+    def _record(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        rid = req.request_id
+        out.num_scheduled_tokens[rid] = num_new
+        out.num_computed_tokens[rid] = req.num_computed_tokens
+        num_known = num_new
+        if req.num_computed_tokens + num_new > req.num_tokens:
+            num_spec = req.num_computed_tokens + num_new - req.num_tokens
+            out.scheduled_spec_decode_tokens[rid] = req.spec_token_ids[:num_spec]
+            num_known -= num_spec
+        if req.num_computed_tokens + num_known == req.num_tokens:
+            out.sampling_request_ids.add(rid)
+
+    # ------------------------------------------------------------------ preemption
+    def _select_victim(self) -> Request:
+        if self.policy == "priority":
+            # Lower value = more important, so the victim is the largest (priority, arrival).
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time, r.order))
+        return self.running[-1]  # FCFS: the most recently admitted
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_preempted(req)
+
+    # ------------------------------------------------------------------ after the forward
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+        """Fold one forward's results back in; returns the requests that finished in it.
+
+        ``sampled_token_ids[rid]`` lists the tokens a sampling request produced: its accepted
+        draft tokens then one more (so ``len - 1`` of its ``k`` drafts were accepted). Requests
+        that sampled nothing (a prompt chunk) may be missing or map to an empty list.
+        """
+        finished: list[Request] = []
+        for req in output.scheduled_requests:
+            rid = req.request_id
+            if self.requests.get(rid) is not req or req.status != RequestStatus.RUNNING:
+                continue  # finished or aborted between schedule() and now
+            num_computed = req.num_computed_tokens + output.num_scheduled_tokens[rid]
+            status = None
+            if output.produces_token(rid):
+                sampled = sampled_token_ids.get(rid) or []
+                num_spec = len(output.scheduled_spec_decode_tokens.get(rid, ()))
+                if not 1 <= len(sampled) <= num_spec + 1:
+                    raise ValueError(f"sampled_token_ids[{rid!r}] must hold 1 to {num_spec + 1} "
+                                     f"tokens, got {sampled!r}")
+                num_computed -= num_spec - (len(sampled) - 1)  # rejected drafts are recomputed
+                status = self._append_tokens(req, sampled)
+            req.spec_token_ids = []
+            # The last known token never has K/V yet; only an EOS among accepted drafts (which
+            # truncates them) can push num_computed past it.
+            req.num_computed_tokens = min(num_computed, req.num_tokens - 1)
+            self.block_manager.cache_full_blocks(req)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+                finished.append(req)
+        return finished
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> RequestStatus | None:
+        for t in tokens:
+            req.append_token(t)
+            if not req.ignore_eos and t in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if req.num_completion_tokens >= req.max_tokens:
+                return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ------------------------------------------------------------------ observation
+    def get_stats(self) -> dict:
+        """Counters for logs and the server's ``/metrics``."""
+        bm = self.block_manager
+        stats = {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_preemptions": self.num_preemptions,
+            "num_finished": self.num_finished,
+            "num_steps": self.num_steps,
+            "kv_cache_usage": bm.usage,
+            "num_free_blocks": bm.get_num_free_blocks(),
+        }
+        for name in ("prefix_cache_queries", "prefix_cache_hits"):
+            if hasattr(bm, name):
+                stats[name] = getattr(bm, name)
+        return stats
+
+    def check_invariants(self) -> None:
+        """Assert the queues and the block accounting agree (tests call it after every step)."""
+        self.block_manager.check_invariants()
+        waiting = list(self.waiting)
+        ids = [r.request_id for r in waiting] + [r.request_id for r in self.running]
+        assert len(ids) == len(set(ids)), f"a request is queued twice: {ids}"
+        assert set(ids) == set(self.requests), "a live request is in no queue (or a dead one in one)"
+        assert len(self.running) <= self.max_num_seqs
+        for r in waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
+            assert not r.block_table and r.num_computed_tokens == 0, r
+        holders: dict[int, int] = {}
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING, r
+            assert r.num_computed_tokens < r.num_tokens, r
+            assert len(r.block_table) * self.block_size >= r.num_computed_tokens, r
+            for b in r.block_table:
+                holders[b] = holders.get(b, 0) + 1
+        for block in self.block_manager.blocks:
+            assert block.ref_count == holders.get(block.block_id, 0), block
