@@ -61,3 +61,25 @@ def tiny_llama_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")
+
+
+# ---- Classroom exercises (exercises/README.md, docs/teaching.md) ---------------------------------
+# `pytest 01_paged_kv/ --impl=student [--exercise 01.2]` (or VFS_IMPL=student) runs a chapter's own
+# tests against the student's stubs in exercises/ instead of the reference code. The mechanism
+# lives beside the stubs; it is loaded by path because exercises/ is not on sys.path.
+def _load_exercise_plugin():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / "exercises" / "exercise_plugin.py"
+    spec = importlib.util.spec_from_file_location("vfs_exercise_plugin", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_exercise_plugin = _load_exercise_plugin()
+pytest_addoption = _exercise_plugin.pytest_addoption
+pytest_configure = _exercise_plugin.pytest_configure
