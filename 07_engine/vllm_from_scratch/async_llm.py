@@ -1,0 +1,243 @@
+"""One engine loop, many asyncio clients: the bridge between ``LLMEngine.step()`` and HTTP.
+
+The engine is single-threaded by design (its scheduler, block manager and model runner assume
+one caller), so exactly one thread touches it: the *engine loop*. HTTP handlers never call the
+engine; they post commands (add, abort) to a thread-safe queue and read their own request's
+outputs from an ``asyncio.Queue`` that the loop fills with ``loop.call_soon_threadsafe``::
+
+    handler ──("add", id, prompt, params)──► commands ──► engine loop thread
+       ▲                                                     │ engine.add_request / abort_request
+       │                                                     │ outputs = engine.step()
+       └──── asyncio.Queue (per request) ◄── call_soon_threadsafe(put_nowait, output)
+
+Because every request of every client enters the same engine, concurrent clients share one
+continuously batched forward pass per step: that is the whole point of serving with vLLM.
+When nothing is running the loop blocks on the command queue instead of spinning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died (an exception in ``step()``); the server can only report it."""
+
+
+@dataclass
+class _Stream:
+    """Per-request state owned by the engine thread."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float
+    last_token_time: float | None = None
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: Any
+    params: Any
+    stream: _Stream
+    accepted: asyncio.Future = field(repr=False)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_SHUTDOWN = object()
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator; ``abort()`` cancels it in the engine."""
+
+    def __init__(self, owner: "AsyncLLM", request_id: str, stream: _Stream):
+        self.owner = owner
+        self.request_id = request_id
+        self._stream = stream
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Any]:
+        while not self.finished:
+            item = await self._stream.queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.owner.abort(self.request_id)
+
+
+class AsyncLLM:
+    """Runs ``engine`` in one background thread and serves its outputs to asyncio tasks.
+
+    ``metrics`` (a :class:`metrics.ServerMetrics`, optional) receives time to first token,
+    inter-token and end-to-end latencies, observed in the engine thread the moment an output
+    leaves ``step()``, so the numbers do not include the HTTP side's scheduling jitter.
+    """
+
+    def __init__(self, engine, metrics=None):
+        self.engine = engine
+        self.metrics = metrics
+        self.stats: dict = dict(engine.get_stats())
+        self.error: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self._commands.put(_SHUTDOWN)
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # ---- called from the asyncio side --------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt, params) -> RequestStream:
+        """Queue a request; returns once the engine accepted it (its ``ValueError`` if not)."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop=loop, queue=asyncio.Queue(), arrival=time.perf_counter())
+        accepted = loop.create_future()
+        self._commands.put(_Add(request_id, prompt, params, stream, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the client left before the engine took the request
+            raise
+        return RequestStream(self, request_id, stream)
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine loop to abort ``request_id`` (no-op if it already finished)."""
+        self._commands.put(_Abort(request_id))
+
+    # ---- the engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._apply_commands(block=not self.engine.has_unfinished_requests()):
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self.engine.step())
+                self.stats = dict(self.engine.get_stats())
+        except BaseException as exc:  # noqa: BLE001 - any crash must reach the clients
+            log.exception("engine loop died")
+            self.error = exc
+            self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one when idle); False means shut down."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command is _SHUTDOWN:
+                self._fail_all(EngineDeadError("the server is shutting down"))
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                self._abort(command.request_id)
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.prompt, command.params, request_id=command.request_id)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller, the loop lives on
+            _resolve(command.stream.loop, command.accepted, exc)
+            return
+        self._streams[command.request_id] = command.stream
+        _resolve(command.stream.loop, command.accepted, None)
+
+    def _abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is None:
+            return
+        self.engine.abort_request(request_id)
+        if self.metrics is not None:
+            self.metrics.request_finished("abort")
+
+    def _dispatch(self, outputs) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted by its client while the step ran
+            if out.new_token_ids:
+                self._observe_token_step(stream, now)
+            if out.finished:
+                del self._streams[out.request_id]
+                if self.metrics is not None:
+                    self.metrics.e2e_request_latency.observe(now - stream.arrival)
+                    self.metrics.request_finished(out.finish_reason or "stop")
+            _push(stream, out)
+
+    def _observe_token_step(self, stream: _Stream, now: float) -> None:
+        if self.metrics is not None:
+            if stream.last_token_time is None:
+                self.metrics.time_to_first_token.observe(now - stream.arrival)
+            else:
+                self.metrics.inter_token_latency.observe(now - stream.last_token_time)
+        stream.last_token_time = now
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in self._streams.values():
+            _push(stream, exc)
+        self._streams.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                _resolve(command.stream.loop, command.accepted, exc)
+
+
+def _push(stream: _Stream, item) -> None:
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:
+        pass  # the client's event loop is closed: nobody is listening any more
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, exc: BaseException | None) -> None:
+    def settle() -> None:
+        if future.done():
+            return
+        if exc is None:
+            future.set_result(None)
+        else:
+            future.set_exception(exc)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass

@@ -1,0 +1,94 @@
+"""Prometheus metrics with vLLM's names, so dashboards written for ``vllm serve`` work unchanged.
+
+Two kinds of numbers, two mechanisms:
+
+* the engine's state (running / waiting requests, KV usage) and its cumulative counters
+  (prefix-cache queries and hits, prompt and generation tokens, preemptions) live inside the
+  engine; a custom collector reads the latest ``get_stats()`` snapshot at scrape time, so the
+  server never keeps a second copy that could drift;
+* per-request latencies (time to first token, inter-token latency, end-to-end latency) are only
+  visible to the server, which observes them into histograms as outputs leave the engine loop.
+
+Every metric carries the ``model_name`` label, as vLLM's do. The registry is per server
+(``CollectorRegistry``), never the process-global one, so two servers in one process (tests)
+do not collide.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms line up with its dashboards.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# (vLLM name, get_stats() key, help). Gauges are read as they are; counters get "_total".
+GAUGES = (
+    ("vllm:num_requests_running", "num_requests_running", "Number of requests in model execution batches."),
+    ("vllm:num_requests_waiting", "num_requests_waiting", "Number of requests waiting to be processed."),
+    ("vllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
+)
+COUNTERS = (
+    ("vllm:prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
+    ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+    ("vllm:prompt_tokens", "prompt_tokens_total", "Number of prefill tokens processed."),
+    ("vllm:generation_tokens", "generation_tokens_total", "Number of generation tokens processed."),
+    ("vllm:num_preemptions", "num_preemptions_total", "Cumulative number of preemptions from the engine."),
+)
+
+
+class EngineStatsCollector(Collector):
+    """Turns the engine's ``get_stats()`` snapshot into gauges and counters at scrape time."""
+
+    def __init__(self, get_stats: Callable[[], dict], model_name: str):
+        self.get_stats = get_stats
+        self.model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self.get_stats()
+        for name, key, doc in GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield family
+        for name, key, doc in COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield family
+
+
+class ServerMetrics:
+    """The server's registry: engine-state collector plus request-latency histograms."""
+
+    def __init__(self, model_name: str, get_stats: Callable[[], dict]):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineStatsCollector(get_stats, model_name))
+        labels = ["model_name"]
+        self.time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            labels, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self._request_success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.",
+            ["model_name", "finished_reason"], registry=self.registry)
+
+    def request_finished(self, finish_reason: str) -> None:
+        self._request_success.labels(self.model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
