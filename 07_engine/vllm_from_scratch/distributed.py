@@ -1,0 +1,307 @@
+"""Tensor parallelism over ``torch.distributed``: start the ranks, mirror every call, shut down.
+
+One model is split across ``world_size`` processes ("ranks"). Every rank holds a slice of every
+weight (chapter 07's ``layers/``: column-, row-, QKV-, merged-parallel linears and the
+vocab-parallel embedding / LM head) and runs *the same* forward on *the same* inputs; the layers
+talk only inside the forward (an all-reduce after each row-parallel linear and after the
+embedding, a gather of the logits to rank 0). Everything else, the scheduler, the block manager
+and the sampler, lives on rank 0 alone::
+
+    rank 0 (this process)                        ranks 1..N-1 (spawned workers)
+    ─────────────────────                        ──────────────────────────────
+    LLM ─ scheduler ─ sampler
+     │
+     └─ executor.call("run", batch) ─ broadcast ─► worker loop: method, args = recv()
+         runner.run(batch)                          runner.run(batch)
+           forward on shard 0 ◄─── all-reduce ───►    forward on shard r
+           logits ◄──────────────── gather ─────────  (returns nothing)
+           sample
+
+How the ranks meet: rank 0 opens a ``TCPStore`` on port 0, so the OS picks a free port (no fixed
+port to collide with a second engine, and no race between "find a free port" and "bind it"), and
+passes the port to the workers it spawns. The compute group is NCCL on a GPU and gloo on the CPU.
+
+How calls reach the workers: a pickled ``(method, args, kwargs)`` broadcast over a dedicated gloo
+group (``torch.distributed.broadcast_object_list``). nano-vllm writes the pickle into a 1 MiB
+shared-memory block named "nanovllm" and sets one ``multiprocessing.Event`` per worker; that is a
+few microseconds faster, but the fixed name makes two engines on one machine collide, a crash
+leaves the block in ``/dev/shm``, and a call bigger than 1 MiB does not fit. A broadcast costs
+two small TCP messages per engine step, nothing next to a forward, leaves nothing in ``/dev/shm``
+to leak, has no size limit, and would work across machines. The control group gets a very long
+timeout so that an engine left idle for an hour still has its workers; the compute group keeps a
+normal one so that a hung forward fails instead of hanging forever.
+
+How it ends: :meth:`TensorParallelExecutor.shutdown` (also run by a ``weakref.finalize`` when the
+executor is garbage collected or the interpreter exits) broadcasts ``"exit"``, joins the workers
+and terminates any that do not leave. If rank 0 dies without a word (``kill -9``), each worker's
+watchdog thread sees the parent's sentinel pipe close and exits the worker: no orphans.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HOST = "127.0.0.1"
+# Idle workers wait on the control group, so its timeout bounds how long an engine may sit idle.
+CONTROL_TIMEOUT = timedelta(days=365)
+COMPUTE_TIMEOUT = timedelta(minutes=10)
+STARTUP_TIMEOUT_S = 300.0
+EXIT = "__exit__"
+
+
+def backend_for(device: str | torch.device) -> str:
+    """NCCL for CUDA tensors, gloo for CPU ones."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def _init_process_groups(rank: int, world_size: int, store: dist.Store,
+                         device: str | torch.device) -> dist.ProcessGroup:
+    """Join the default (compute) group and create the gloo control group; return the latter."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size,
+                            timeout=COMPUTE_TIMEOUT)
+    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+def _check_startup(control: dist.ProcessGroup, error: str | None) -> None:
+    """Every rank reports whether its runner was built; all raise if any failed.
+
+    Without this, a worker whose model failed to load would leave rank 0 waiting in the first
+    collective of the first forward until the compute timeout.
+    """
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error, group=control)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        raise RuntimeError("tensor-parallel start-up failed:\n" +
+                           "\n".join(f"[rank {rank}] {e}" for rank, e in failed))
+
+
+def _build_runner(runner_factory: Callable[[int], Any], rank: int) -> tuple[Any, str | None]:
+    try:
+        return runner_factory(rank), None
+    except Exception:  # reported to every rank by _check_startup
+        return None, traceback.format_exc()
+
+
+def _exit_with_parent() -> None:
+    """Exit this worker as soon as rank 0's process is gone, however it went."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tp-parent-watchdog", daemon=True).start()
+
+
+def _worker_main(runner_factory: Callable[[int], Any], rank: int, world_size: int, port: int,
+                 device: str) -> None:
+    """Entry point of ranks 1..N-1: join the groups, build the runner, serve rank 0's calls."""
+    _exit_with_parent()
+    store = dist.TCPStore(HOST, port, world_size, is_master=False,
+                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+    store.set(f"worker_up/{rank}", "1")
+    control = _init_process_groups(rank, world_size, store, device)
+    try:
+        runner, error = _build_runner(runner_factory, rank)
+        _check_startup(control, error)
+        while True:
+            [message] = _receive(control)
+            method, args, kwargs = message
+            if method == EXIT:
+                break
+            getattr(runner, method)(*args, **kwargs)
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # rank 0 sees its collective fail instead of waiting for this rank
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _receive(control: dist.ProcessGroup) -> list[Any]:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    return box
+
+
+def _wait_for_workers(store: dist.Store, procs: list[mp.Process]) -> None:
+    """Wait until every worker reached the store, failing fast if one died while starting.
+
+    A blocking ``init_process_group`` would instead wait out its whole timeout for a worker
+    that crashed while importing.
+    """
+    keys = [f"worker_up/{rank}" for rank in range(1, len(procs) + 1)]
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not store.check(keys):
+        dead = [p for p in procs if p.exitcode is not None]
+        if dead:
+            raise RuntimeError(f"tensor-parallel worker {dead[0].name} exited with code "
+                               f"{dead[0].exitcode} while starting (see its traceback above)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel workers did not start in {STARTUP_TIMEOUT_S} s")
+        time.sleep(0.02)
+
+
+class _GroupState:
+    """What shutdown needs, kept apart from the executor so the finalizer does not keep it alive."""
+
+    def __init__(self, procs: list[mp.Process]):
+        self.procs = procs
+        self.control: dist.ProcessGroup | None = None
+        self.closed = False
+
+
+def _shutdown(state: _GroupState, join_timeout_s: float = 10.0) -> None:
+    if state.closed:
+        return
+    state.closed = True
+    if state.control is not None and all(p.is_alive() for p in state.procs):
+        try:
+            dist.broadcast_object_list([(EXIT, (), {})], src=0, group=state.control)
+        except Exception:  # a worker already died; terminate below
+            pass
+    deadline = time.monotonic() + join_timeout_s
+    for p in state.procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in state.procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class LocalExecutor:
+    """The ``world_size == 1`` executor: the same interface, no processes, no process group."""
+
+    world_size = 1
+
+    def __init__(self, runner_factory: Callable[[int], Any]):
+        self.runner = runner_factory(0)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.runner, method)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        pass
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return []
+
+
+class TensorParallelExecutor:
+    """Rank 0's handle on a tensor-parallel group: starts ranks 1..N-1, mirrors calls, shuts down.
+
+    Args:
+        runner_factory: a picklable callable ``runner_factory(rank) -> runner`` (a top-level
+            class or a ``functools.partial`` of one, e.g. ``partial(ModelRunner, config)``).
+            Every rank calls it after joining the process group, so the runner may build its
+            model shard with ``tp_rank=rank, tp_size=world_size`` and use collectives.
+        world_size: number of ranks, at least 2 (``LocalExecutor`` is the 1-rank case).
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, rank r on GPU r).
+
+    ``call("run", batch)`` broadcasts the call, then runs it on rank 0's runner and returns rank
+    0's result; the workers' results are dropped (their runners return nothing that matters:
+    only rank 0 holds the gathered logits). Only one executor may be alive per process, because
+    rank 0 uses this process's default ``torch.distributed`` group.
+    """
+
+    def __init__(self, runner_factory: Callable[[int], Any], world_size: int,
+                 device: str | torch.device = "cpu"):
+        if not isinstance(world_size, int) or world_size < 2:
+            raise ValueError(f"world_size must be an int >= 2, got {world_size!r}")
+        device = str(torch.device(device))
+        if torch.device(device).type == "cuda" and torch.cuda.device_count() < world_size:
+            raise ValueError(f"world_size={world_size} needs {world_size} GPUs, "
+                             f"found {torch.cuda.device_count()}")
+        if dist.is_initialized():
+            raise RuntimeError("a torch.distributed process group already exists in this process "
+                               "(one tensor-parallel engine per process)")
+        self.world_size = world_size
+        store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker_main, name=f"vllm-fs-tp-rank{rank}", daemon=True,
+                             args=(runner_factory, rank, world_size, store.port, device))
+                 for rank in range(1, world_size)]
+        self._state = _GroupState(procs)
+        # Registered before anything can fail, so a failed start still reaps what it started.
+        self._finalizer = weakref.finalize(self, _shutdown, self._state)
+        try:
+            for p in procs:
+                p.start()
+            _wait_for_workers(store, procs)
+            self._state.control = _init_process_groups(0, world_size, store, device)
+            self.runner, error = _build_runner(runner_factory, 0)
+            _check_startup(self._state.control, error)
+        except BaseException:
+            self._state.control = None  # the workers are not listening: terminate, don't ask
+            self.shutdown()
+            raise
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._state.procs]
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``runner.method(*args, **kwargs)`` on every rank; return rank 0's result.
+
+        Arguments travel pickled: send CPU tensors or plain lists (a CUDA tensor would be
+        unpickled onto rank 0's GPU in every worker).
+        """
+        if self._state.closed:
+            raise RuntimeError("the tensor-parallel executor is shut down")
+        dist.broadcast_object_list([(method, args, kwargs)], src=0, group=self._state.control)
+        return getattr(self.runner, method)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the process group; safe to call twice."""
+        self._finalizer()
+
+
+def make_executor(runner_factory: Callable[[int], Any], world_size: int = 1,
+                  device: str | torch.device = "cpu") -> LocalExecutor | TensorParallelExecutor:
+    """The executor the engine needs: in-process for one rank, spawned workers for more."""
+    if world_size == 1:
+        return LocalExecutor(runner_factory)
+    return TensorParallelExecutor(runner_factory, world_size, device)
+
+
+def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Sum ``x`` over the ranks in place (a no-op for one rank); what row-parallel layers need."""
+    if tp_size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def gather_to_first_rank(x: torch.Tensor, tp_rank: int, tp_size: int, dim: int = -1) -> torch.Tensor | None:
+    """Concatenate every rank's ``x`` along ``dim`` on rank 0 (None elsewhere): the LM head's
+    logits gather. A gather, not an all-gather, because only rank 0 samples."""
+    if tp_size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(tp_size)] if tp_rank == 0 else None
+    dist.gather(x, parts, dst=0)
+    return torch.cat(parts, dim=dim) if tp_rank == 0 else None
