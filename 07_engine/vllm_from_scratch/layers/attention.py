@@ -1,0 +1,74 @@
+"""The attention layer: write this step's K/V into the paged cache, then attend over it.
+
+Both halves come from earlier chapters, by import:
+
+* chapter 01's ``store_kvcache`` scatters the new keys and values into their slots;
+* chapter 02's paged attention reads every cached token of each request through its block table
+  (a decode kernel when every request brings one token, the varlen kernel otherwise, for
+  prefills, prefill chunks and mixed batches).
+
+The batch description travels as an explicit :class:`AttentionMetadata` argument, built once per
+step by the model runner and handed down through ``model.forward``; nano-vllm's module-level
+``get_context()`` global is what this replaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from paged_attention import paged_attention_decode, paged_attention_varlen
+from store_kvcache import store_kvcache
+
+
+@dataclass
+class AttentionMetadata:
+    """What attention needs to know about one batch of ``B`` requests and ``T`` new tokens.
+
+    Attributes:
+        slot_mapping: ``[T]`` cache slot of each new token (-1: do not store).
+        cu_seqlens_q: ``[B+1]`` int32 offsets of each request's new tokens in the batch.
+        seq_lens_k: ``[B]`` int32 tokens each request attends to (cached + new).
+        block_tables: ``[B, max_blocks]`` int32 physical blocks of each request (padded).
+        max_seqlen_q / max_seqlen_k: the largest of each (flash-attn wants them as ints).
+        is_decode: every request brings exactly one token, so the decode kernel applies.
+    """
+
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens_k: torch.Tensor
+    block_tables: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    is_decode: bool
+
+
+class Attention(nn.Module):
+    """Paged multi-head / grouped-query attention over ``k_cache``/``v_cache``.
+
+    The model runner points ``k_cache`` and ``v_cache`` at this layer's slice of the KV cache
+    tensor (``[num_blocks, block_size, num_kv_heads, head_dim]`` each) after allocating it.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+        self.k_cache = self.v_cache = torch.tensor([])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.k_cache.numel() == 0:
+            raise RuntimeError("the KV cache is not allocated: ModelRunner.allocate_kv_cache() binds it")
+        store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        if md.is_decode:
+            o = paged_attention_decode(q, self.k_cache, self.v_cache, md.block_tables, md.seq_lens_k, self.scale)
+        else:
+            o = paged_attention_varlen(q, self.k_cache, self.v_cache, md.cu_seqlens_q, md.seq_lens_k,
+                                       md.block_tables, self.scale, causal=True)
+        return o.reshape(-1, self.num_heads * self.head_dim)

@@ -1,0 +1,61 @@
+"""Vocabulary-parallel embedding and LM head (seed 002).
+
+Rank ``r`` owns token ids ``[r*n, (r+1)*n)`` with ``n = ceil(vocab / tp_size)``; the last shard is
+zero-padded when the vocabulary does not divide. The embedding looks up only its own ids, zeros
+the rest and all-reduces; the LM head computes its slice of the logits and all-gathers them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_from_scratch.layers.linear import _check_tp
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding`` whose rows (token ids) are split across ranks."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+        super().__init__()
+        _check_tp(tp_rank, tp_size)
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_per_partition = -(-num_embeddings // tp_size)
+        self.vocab_start_idx = self.num_embeddings_per_partition * tp_rank
+        self.vocab_end_idx = min(self.vocab_start_idx + self.num_embeddings_per_partition, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        shard = loaded_weight[self.vocab_start_idx:self.vocab_end_idx]
+        param.data[: shard.size(0)].copy_(shard)
+        param.data[shard.size(0):].zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(x, self.weight)
+        mask = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
+        y = F.embedding(mask * (x - self.vocab_start_idx), self.weight)
+        y = mask.unsqueeze(-1) * y
+        dist.all_reduce(y, group=self.tp_group)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection to vocabulary logits; every rank returns the full logits."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, **tp):
+        if bias:
+            raise ValueError("bias=True is not supported by ParallelLMHead")
+        super().__init__(num_embeddings, embedding_dim, **tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            dist.all_gather(parts, logits, group=self.tp_group)
+            logits = torch.cat(parts, dim=-1)
+        return logits[..., : self.num_embeddings]

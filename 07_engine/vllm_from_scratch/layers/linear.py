@@ -1,0 +1,160 @@
+"""Linear layers split across tensor-parallel ranks (Megatron-style, as seed 002 describes).
+
+* :class:`ColumnParallelLinear` splits the *output* features: each rank computes a slice of
+  ``y``; no communication.
+* :class:`RowParallelLinear` splits the *input* features: each rank computes a partial ``y`` and
+  the ranks all-reduce. A column layer followed by a row layer (q/k/v then o, gate/up then down)
+  needs exactly one all-reduce.
+* :class:`MergedColumnParallelLinear` and :class:`QKVParallelLinear` fuse several column layers
+  that read the same input into one matmul; their ``weight_loader`` takes a shard id that says
+  which checkpoint tensor (``gate``/``up``, ``q``/``k``/``v``) is being copied where.
+
+Each parameter carries a ``weight_loader(param, loaded_weight[, shard_id])`` that copies *this
+rank's* slice of a full checkpoint tensor; ``loader.py`` calls it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def divide(numerator: int, denominator: int, what: str = "size") -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) must be divisible by tp_size ({denominator})")
+    return numerator // denominator
+
+
+def _check_tp(tp_rank: int, tp_size: int) -> None:
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+
+
+class LinearBase(nn.Module):
+    """A linear layer whose weight is split along ``tp_dim`` (0: output rows, 1: input columns)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,
+                 tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+        super().__init__()
+        _check_tp(tp_rank, tp_size)
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_dim, self.tp_rank, self.tp_size, self.tp_group = tp_dim, tp_rank, tp_size, tp_group
+
+    def _make_params(self, out_features: int, in_features: int, bias: bool, bias_features: int) -> None:
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(bias_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight (small projections that are not worth splitting)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, **tp):
+        super().__init__(input_size, output_size, bias, None, **tp)
+        self._make_params(output_size, input_size, bias, output_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        param.data.copy_(loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """``y = x W^T`` with W's output rows split: rank r holds rows ``[r*n, (r+1)*n)``."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, **tp):
+        super().__init__(input_size, output_size, bias, 0, **tp)
+        self.output_size_per_partition = divide(output_size, self.tp_size, "output_size")
+        self._make_params(self.output_size_per_partition, input_size, bias, self.output_size_per_partition)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        shard_size = param.data.size(0)
+        param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard_size, shard_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column layers on the same input, fused (``gate_proj`` and ``up_proj``).
+
+    The local weight is ``[gate shard; up shard]``: each rank keeps its slice of *each* part, so
+    the activation that follows can split the output in two without communication.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, **tp):
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, **tp)
+        for size in self.output_sizes:
+            divide(size, self.tp_size, "each of output_sizes")
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int) -> None:
+        shard_offset = sum(self.output_sizes[:loaded_shard_id]) // self.tp_size
+        shard_size = self.output_sizes[loaded_shard_id] // self.tp_size
+        target = param.data.narrow(0, shard_offset, shard_size)
+        target.copy_(loaded_weight.narrow(0, self.tp_rank * shard_size, shard_size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The fused q/k/v projection; each rank holds its own heads of q, k and v.
+
+    Needs ``total_num_heads`` and ``total_num_kv_heads`` divisible by ``tp_size`` (vLLM also
+    replicates KV heads when ``tp_size`` exceeds them; left out here).
+    """
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: int | None = None, bias: bool = False, **tp):
+        total_num_kv_heads = total_num_kv_heads or total_num_heads
+        tp_size = tp.get("tp_size", 1)
+        self.head_size = head_size
+        self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
+        self.num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
+        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
+        super().__init__(hidden_size, output_size, bias, **tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: str) -> None:
+        q_size = self.num_heads * self.head_size
+        kv_size = self.num_kv_heads * self.head_size
+        offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+        if loaded_shard_id not in offsets:
+            raise ValueError(f"loaded_shard_id must be 'q', 'k' or 'v', got {loaded_shard_id!r}")
+        shard_offset, shard_size = offsets[loaded_shard_id]
+        target = param.data.narrow(0, shard_offset, shard_size)
+        target.copy_(loaded_weight.narrow(0, self.tp_rank * shard_size, shard_size))
+
+
+class RowParallelLinear(LinearBase):
+    """``y = x W^T`` with W's input columns split; the partial sums are all-reduced.
+
+    The bias is added once (by rank 0) so the all-reduce does not multiply it by ``tp_size``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, **tp):
+        super().__init__(input_size, output_size, bias, 1, **tp)
+        self.input_size_per_partition = divide(input_size, self.tp_size, "input_size")
+        self._make_params(output_size, self.input_size_per_partition, bias, output_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if param.dim() == 1:  # the bias is not split
+            param.data.copy_(loaded_weight)
+            return
+        shard_size = param.data.size(1)
+        param.data.copy_(loaded_weight.narrow(1, self.tp_rank * shard_size, shard_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.tp_size > 1:
+            dist.all_reduce(y, group=self.tp_group)
+        return y

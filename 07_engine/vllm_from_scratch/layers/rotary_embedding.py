@@ -1,0 +1,63 @@
+"""Rotary position embeddings (RoPE), as the checkpoint's config describes them.
+
+Pairs of features ``(x[i], x[i + d/2])`` of every head are rotated by the angle
+``position * inv_freq[i]`` (the "rotate half", GPT-NeoX layout that Llama and Qwen3 use). The
+cosines and sines of every position up to ``max_position`` are computed once; ``forward`` only
+gathers the rows of the batch's positions, so prefill chunks and decode tokens at arbitrary
+positions are all one gather.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.x's frequency-dependent stretch: long wavelengths slowed by ``factor``."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Apply RoPE to q and k of shape ``[T, heads * head_size]`` (or ``[T, heads, head_size]``)."""
+
+    def __init__(self, head_size: int, max_position: int, base: float, rope_scaling: dict | None = None):
+        super().__init__()
+        if head_size % 2:
+            raise ValueError(f"head_size must be even, got {head_size}")
+        self.head_size = head_size
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+        rope_type = (rope_scaling or {}).get("rope_type", "default")
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        elif rope_type != "default":
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, llama3)")
+        freqs = torch.arange(max_position, dtype=torch.float).unsqueeze(1) * inv_freq.unsqueeze(0)
+        # Kept in float32 whatever the model dtype: bf16 angles are wrong by whole radians at
+        # large positions.
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_size)
+        x1, x2 = x.chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return out.view(shape)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+def get_rope(head_size: int, max_position: int, base: float, rope_scaling: dict | None = None) -> RotaryEmbedding:
+    return RotaryEmbedding(head_size, max_position, base, rope_scaling)

@@ -1,0 +1,66 @@
+"""``LLM``: offline batched generation, nano-vllm's (and vLLM's) entry point."""
+
+from __future__ import annotations
+
+from tqdm.auto import tqdm
+
+from vllm_from_scratch.engine import LLMEngine
+from vllm_from_scratch.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model and generate for many prompts at once.
+
+    Args:
+        model_dir: a Hugging Face checkpoint directory (config.json + safetensors [+ tokenizer]).
+        device: "auto" (CUDA if available, else CPU), "cpu" or "cuda[:N]".
+        tensor_parallel_size: ranks to split the model over (gloo on CPU, NCCL on GPU).
+        enforce_eager: never use CUDA graphs.
+        max_num_seqs / max_num_batched_tokens: the scheduler's per-step request and token caps.
+        max_model_len: longest prompt + output; longer prompts are refused.
+        kvcache_block_size / num_kvcache_blocks: paging; ``None`` blocks = size from memory.
+        enable_prefix_caching / enable_chunked_prefill: chapters 03 and 06.
+        dtype: None (the checkpoint's), "float32", "bfloat16" or "float16".
+        speculative_config: ``{"method": "ngram", "num_speculative_tokens": k}`` or
+            ``{"method": "draft_model", "model": dir, "num_speculative_tokens": k}`` (chapter 05).
+
+    Example::
+
+        llm = LLM(default_model_dir(), dtype="bfloat16")
+        out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=8))
+        print(out[0]["text"])
+    """
+
+    def __init__(self, model_dir: str, **kwargs):
+        self.llm_engine = LLMEngine(model_dir, **kwargs)
+        self.tokenizer = self.llm_engine.tokenizer
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict]:
+        """Generate for every prompt (a string or a list of token ids, or a list of those).
+
+        Returns ``[{"text", "token_ids"}]`` in input order. Every prompt is validated before
+        any is scheduled: one bad prompt raises ``ValueError`` and leaves the engine idle.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
+        engine = self.llm_engine
+        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        for req in requests:
+            engine.add_request(req)
+        results: list[dict | None] = [None] * len(requests)
+        with tqdm(total=len(requests), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[order[out.request_id]] = {"text": out.text, "token_ids": out.token_ids}
+                        bar.update(1)
+        return results
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()

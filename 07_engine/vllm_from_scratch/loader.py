@@ -1,0 +1,101 @@
+"""Load a Hugging Face safetensors directory into one of the engine's models.
+
+Every parameter knows how to take *its rank's* slice of a full checkpoint tensor (its
+``weight_loader``); checkpoint names that were fused into one parameter (q/k/v into ``qkv_proj``,
+gate/up into ``gate_up_proj``) are routed through the model's ``packed_modules_mapping`` with the
+shard id the fused layer's loader expects.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from contextlib import contextmanager
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from vllm_from_scratch.models import get_model_class
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype, config) -> torch.dtype:
+    """``None`` means the checkpoint's dtype (``dtype``/``torch_dtype`` in config.json)."""
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_config(model_dir: str):
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ValueError(f"model_dir {model_dir!r} has no config.json")
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    if param.shape != loaded_weight.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded_weight.shape)} for a parameter of shape {tuple(param.shape)}")
+    param.data.copy_(loaded_weight)
+
+
+def load_weights(model: torch.nn.Module, model_dir: str) -> None:
+    """Copy every tensor of ``model_dir/*.safetensors`` into ``model``; every parameter must be hit."""
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model_dir {model_dir!r} has no *.safetensors file")
+    packed = getattr(model, "packed_modules_mapping", {})
+    params = dict(model.named_parameters())  # tied weights appear once, under the first name
+    loaded = set()
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if "rotary_emb.inv_freq" in name:
+                    continue
+                target, shard_id = name, None
+                for ckpt_part, (fused_part, sid) in packed.items():
+                    if f".{ckpt_part}." in name:
+                        target, shard_id = name.replace(f".{ckpt_part}.", f".{fused_part}."), sid
+                        break
+                if target not in params:
+                    if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+                        continue  # the head *is* the embedding
+                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+                param = params[target]
+                weight_loader = getattr(param, "weight_loader", default_weight_loader)
+                tensor = f.get_tensor(name)
+                if shard_id is None:
+                    weight_loader(param, tensor)
+                else:
+                    weight_loader(param, tensor, shard_id)
+                loaded.add(target)
+    missing = set(params) - loaded
+    if missing:
+        raise ValueError(f"checkpoint {model_dir!r} lacks weights for {sorted(missing)}")
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def get_model(model_dir: str, dtype=None, device: str | torch.device = "cpu", tp_rank: int = 0,
+              tp_size: int = 1, tp_group=None, config=None) -> torch.nn.Module:
+    """Build the registered model class for ``model_dir`` on ``device`` and load its weights."""
+    config = config or load_config(model_dir)
+    torch_dtype = resolve_dtype(dtype, config)
+    model_cls = get_model_class(config)
+    with _default_dtype(torch_dtype), torch.device(device):
+        model = model_cls(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+    load_weights(model, model_dir)
+    return model.eval()

@@ -1,0 +1,142 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral-style GQA) in the engine's layers.
+
+Parameter names follow the Hugging Face checkpoint (``model.layers.N.self_attn.qkv_proj`` is the
+only rename: q/k/v and gate/up are fused, and ``packed_modules_mapping`` tells the loader where
+each checkpoint tensor goes). Attention receives its batch metadata as an argument of
+``forward``; nothing is read from a global.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_from_scratch.layers.activation import SiluAndMul
+from vllm_from_scratch.layers.attention import Attention, AttentionMetadata
+from vllm_from_scratch.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from vllm_from_scratch.layers.layernorm import RMSNorm
+from vllm_from_scratch.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vllm_from_scratch.layers.rotary_embedding import get_rope
+
+
+def rope_settings(config) -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling)`` from a transformers 5 ``rope_parameters`` or older fields."""
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    scaling = getattr(config, "rope_scaling", None) or params
+    return float(theta), (scaling if scaling.get("rope_type", "default") != "default" else None)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention: fused QKV, RoPE, paged attention, output projection."""
+
+    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+        super().__init__()
+        tp = dict(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=bias, **tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias, **tp)
+        theta, scaling = rope_settings(config)
+        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
+        """Hook for models that normalise q and k per head before RoPE (Qwen3)."""
+        return q, k
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata):
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.qk_norm(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
+
+
+class LlamaMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
+        tp = dict(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias, **tp)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, **tp)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+        super().__init__()
+        tp = dict(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        self.self_attn = self.attention_cls(config, **tp)
+        self.mlp = LlamaMLP(config, **tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, residual, attn_metadata):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    decoder_layer_cls = LlamaDecoderLayer
+
+    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+        super().__init__()
+        tp = dict(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **tp)
+        self.layers = nn.ModuleList(self.decoder_layer_cls(config, **tp) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, attn_metadata):
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder plus LM head. ``forward`` returns hidden states; ``compute_logits`` is
+    called only on the rows that sample (the last token of each request), not on every token.
+    """
+
+    model_cls = LlamaModel
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+        super().__init__()
+        tp = dict(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        self.config = config
+        self.model = self.model_cls(config, **tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, **tp)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)

@@ -1,0 +1,74 @@
+"""Turn the last-token logits of a batch into next tokens, one vectorized pass for all rows.
+
+Each row has its own temperature, top-k and top-p (greedy rows are temperature 0). Sampling uses
+the "exponential race": ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. is an exact draw from ``p``
+(the Gumbel-max trick in another guise), so a whole batch samples with one ``argmax`` and a
+request with a ``seed`` only needs its own generator to draw its row of ``E``: its output does not
+depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
+    """Mask (to -inf) logits outside each row's top-k and top-p set.
+
+    ``top_ks`` holds ``vocab_size`` for "off"; ``top_ps`` holds 1.0 for "off". The most likely
+    token always survives, so no row is left empty.
+    """
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_ks is not None:
+        mask |= torch.arange(vocab, device=logits.device).unsqueeze(0) >= top_ks.unsqueeze(1)
+    if top_ps is not None:
+        probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+        # Drop a token when the tokens *before* it already reach top_p.
+        mask |= (probs.cumsum(dim=-1) - probs) >= top_ps.unsqueeze(1)
+    mask[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+class Sampler:
+    """Greedy, temperature, top-k and top-p sampling with optional per-row generators."""
+
+    @staticmethod
+    def compute_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor | None = None,
+                      top_ps: torch.Tensor | None = None) -> torch.Tensor:
+        """The distribution each row samples from (one-hot on the argmax for greedy rows).
+
+        Speculative decoding's rejection sampler needs these probabilities, not just a sample.
+        """
+        logits = logits.float()
+        greedy = temperatures < 1e-5
+        scaled = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures).unsqueeze(1)
+        if top_ks is not None or top_ps is not None:
+            scaled = apply_top_k_top_p(scaled, top_ks, top_ps)
+        probs = scaled.softmax(dim=-1)
+        if bool(greedy.any()):
+            one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+            probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
+        return probs
+
+    @staticmethod
+    def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
+        """One exact draw per row: ``argmax(probs / E)`` with exponential noise ``E``."""
+        noise = torch.empty_like(probs).exponential_()
+        for row, gen in enumerate(generators or ()):
+            if gen is not None:
+                noise[row].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+    def __call__(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor | None = None,
+                 top_ps: torch.Tensor | None = None,
+                 generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
+        """Next token per row of ``logits [B, V]``; ``temperatures [B]`` (< 1e-5: greedy)."""
+        greedy = temperatures < 1e-5
+        if bool(greedy.all()):
+            return logits.argmax(dim=-1)
+        probs = self.compute_probs(logits, temperatures, top_ks, top_ps)
+        sampled = self.sample_from_probs(probs, generators)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
