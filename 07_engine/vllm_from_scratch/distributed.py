@@ -296,12 +296,13 @@ def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     return x
 
 
-def gather_to_first_rank(x: torch.Tensor, tp_rank: int, tp_size: int, dim: int = -1) -> torch.Tensor | None:
-    """Concatenate every rank's ``x`` along ``dim`` on rank 0 (None elsewhere): the LM head's
-    logits gather. A gather, not an all-gather, because only rank 0 samples."""
+def gather_to_first_rank(x: torch.Tensor, tp_rank: int, tp_size: int, dim: int = -1,
+                         group: dist.ProcessGroup | None = None) -> torch.Tensor | None:
+    """Concatenate every rank's ``x`` along ``dim`` on the group's first rank (None elsewhere):
+    the LM head's logits gather. A gather, not an all-gather, because only rank 0 samples."""
     if tp_size == 1:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(tp_size)] if tp_rank == 0 else None
-    dist.gather(x, parts, dst=0)
+    dist.gather(x, parts, group=group, group_dst=0)
     return torch.cat(parts, dim=dim) if tp_rank == 0 else None

@@ -102,6 +102,13 @@ class EngineRequest(Request):
         self.stop_reason: str | None = None
         self.num_cached_prompt_tokens = 0
 
+    def __getstate__(self) -> dict:
+        # Requests are pickled to tensor-parallel workers every step; they only build inputs
+        # from them, so the detokenizer (which holds the whole tokenizer) stays on rank 0.
+        state = self.__dict__.copy()
+        state["detokenizer"] = None
+        return state
+
 
 def _load_tokenizer(model_dir: str):
     if not any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):

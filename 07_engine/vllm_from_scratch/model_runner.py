@@ -23,6 +23,7 @@ import torch
 
 from kv_cache import allocate_kv_cache, build_slot_mapping, bytes_per_block, num_blocks_for_budget
 from vllm_from_scratch.config import EngineConfig
+from vllm_from_scratch.cuda_graph import CUDAGraphRunner
 from vllm_from_scratch.layers.attention import Attention, AttentionMetadata
 from vllm_from_scratch.loader import get_model
 from vllm_from_scratch.sampler import Sampler
@@ -57,6 +58,15 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_cache = None
         self.num_kvcache_blocks = self.allocate_kv_cache()
+        self.graph_runner = self.capture_cudagraph() if self.device.type == "cuda" and not config.enforce_eager else None
+
+    def capture_cudagraph(self) -> CUDAGraphRunner:
+        """Capture decode CUDA graphs (``cuda_graph.py``); every rank captures its own."""
+        cfg = self.config
+        runner = CUDAGraphRunner(self.model, cfg.max_num_seqs, cfg.max_model_len, self.block_size,
+                                 cfg.hf_config.hidden_size, cfg.torch_dtype, self.device)
+        runner.capture()
+        return runner
 
     # ------------------------------------------------------------------ KV cache
     def _block_bytes(self) -> int:
@@ -146,7 +156,10 @@ class ModelRunner:
     def compute_logits(self, requests: list, num_scheduled_tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Forward the batch; float32 logits of the sampling rows, and how many rows each request owns."""
         inp = self.prepare_inputs(requests, num_scheduled_tokens)
-        hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
+        if self.graph_runner is not None and self.graph_runner.can_run(inp.input_ids, inp.attn_metadata):
+            hidden = self.graph_runner.run(inp.input_ids, inp.positions, inp.attn_metadata)
+        else:
+            hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         # Under tensor parallelism only rank 0 receives the gathered logits and samples.
         return (None if logits is None else logits.float()), inp.num_sample_rows

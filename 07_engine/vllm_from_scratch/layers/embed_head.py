@@ -2,7 +2,8 @@
 
 Rank ``r`` owns token ids ``[r*n, (r+1)*n)`` with ``n = ceil(vocab / tp_size)``; the last shard is
 zero-padded when the vocabulary does not divide. The embedding looks up only its own ids, zeros
-the rest and all-reduces; the LM head computes its slice of the logits and all-gathers them.
+the rest and all-reduces; the LM head computes its slice of the logits and gathers them on rank 0,
+the only rank that samples.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_from_scratch.distributed import gather_to_first_rank
 from vllm_from_scratch.layers.linear import _check_tp
 
 
@@ -45,17 +47,14 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection to vocabulary logits; every rank returns the full logits."""
+    """The output projection to vocabulary logits: rank 0 returns the full logits, other ranks
+    None (a gather, not an all-gather: only rank 0 samples)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, **tp):
         if bias:
             raise ValueError("bias=True is not supported by ParallelLMHead")
         super().__init__(num_embeddings, embedding_dim, **tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.weight)
-        if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            dist.all_gather(parts, logits, group=self.tp_group)
-            logits = torch.cat(parts, dim=-1)
-        return logits[..., : self.num_embeddings]
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        logits = gather_to_first_rank(F.linear(x, self.weight), self.tp_rank, self.tp_size, group=self.tp_group)
+        return None if logits is None else logits[..., : self.num_embeddings]

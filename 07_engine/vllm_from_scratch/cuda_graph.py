@@ -1,0 +1,172 @@
+"""CUDA graphs for decode: launch a whole forward with one call instead of hundreds.
+
+A decode step of a small model is a few hundred tiny kernels; on a GPU the CPU-side cost of
+launching them (Python, the PyTorch dispatcher, the driver) is larger than the kernels
+themselves. A CUDA graph records the launches once and replays them with a single call. The
+price: a graph is frozen, so its inputs must live at fixed addresses and have fixed shapes.
+
+nano-vllm's scheme, which we follow:
+
+* Only decode (one new token per request) is captured; prefill shapes vary too much.
+* Batch sizes 1, 2, 4, 8, then every 16 up to ``min(max_num_seqs, 512)``; a batch of ``n``
+  replays the smallest captured size ``>= n``, its extra rows padded.
+* Capture runs largest first and every graph shares one memory pool: the largest graph's
+  activations fit every smaller one, so all graphs together cost about as much as the largest.
+* The LM head stays outside the graph: logits are computed on the real rows only, and under
+  tensor parallelism the logits gather runs eagerly.
+
+::
+
+    static buffers (max_bs rows)        graph[bs] (captured once per bs)
+    ┌──────────────┐ copy_ real rows    ┌──────────────────────────────┐
+    │ input_ids    │◄── n ─┐            │ model(input_ids[:bs],        │
+    │ positions    │       │ pad to bs  │       positions[:bs],        │──► hidden[:bs]
+    │ slot_mapping │ -1 ───┘            │       metadata views [:bs])  │      │
+    │ seq_lens_k   │ 1                  └──────────────────────────────┘      ▼
+    │ block_tables │                                            hidden[:n] → compute_logits
+    └──────────────┘
+
+Two fixes to nano-vllm: with ``max_num_seqs`` = 10 it captures 1, 2, 4, 8 and then fails on a
+batch of 9 (no size ``>= 9``); we always capture ``max_bs`` itself. And padded rows get a
+context length of 1 rather than 0, so no attention kernel divides by an empty softmax.
+
+What the graph needs from the model: a decode forward that never syncs with the host (no
+``.item()``, ``.tolist()`` or data-dependent shapes), since those cannot be captured; the
+metadata's ``max_seqlen_k`` is frozen at ``max_model_len``, an upper bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from vllm_from_scratch.layers.attention import AttentionMetadata
+
+MAX_CAPTURE_SIZE = 512
+
+
+def capture_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch sizes to capture: 1, 2, 4, 8, 16, 32, ... up to ``min(max_num_seqs, 512)``,
+    always including that maximum itself."""
+    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
+    max_bs = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [s for s in [1, 2, 4, 8, *range(16, max_bs + 1, 16)] if s < max_bs]
+    return sizes + [max_bs]
+
+
+class _EagerReplay:
+    """Stands in for ``torch.cuda.CUDAGraph`` where there is no GPU: ``replay()`` runs the same
+    closure on the same static buffers, eagerly. It lets the CPU tests check everything around
+    the graph (buffer filling, padding, size choice), not the capture itself."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self._fn = fn
+
+    def replay(self) -> None:
+        self._fn()
+
+
+class CUDAGraphRunner:
+    """Decode forwards replayed from graphs captured at :func:`capture_batch_sizes`.
+
+    Args:
+        model: ``model(input_ids, positions, attn_metadata) -> hidden_states`` (the engine's
+            models); its KV cache must be bound before :meth:`capture`.
+        max_num_seqs: the scheduler's limit; sizes above ``min(max_num_seqs, 512)`` run eagerly.
+        max_model_len: bounds the block-table width and the frozen ``max_seqlen_k``.
+        block_size: tokens per KV block.
+        hidden_size: width of the model's output hidden states.
+        dtype / device: of the hidden states and of every buffer.
+        use_cuda_graph: False replaces the CUDA graphs by :class:`_EagerReplay` (CPU tests).
+    """
+
+    def __init__(self, model: Callable, max_num_seqs: int, max_model_len: int, block_size: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device | str,
+                 use_cuda_graph: bool = True):
+        device = torch.device(device)
+        if use_cuda_graph and device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device to capture CUDA graphs, got {device}")
+        self.model = model
+        self.use_cuda_graph = use_cuda_graph
+        self.batch_sizes = capture_batch_sizes(max_num_seqs)
+        self.max_bs = self.batch_sizes[-1]
+        self.max_model_len = max_model_len
+        self.max_num_blocks = -(-max_model_len // block_size)
+        kw = dict(device=device)
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.long, **kw)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.long, **kw)
+        self.slot_mapping = torch.full((self.max_bs,), -1, dtype=torch.long, **kw)
+        self.seq_lens_k = torch.ones(self.max_bs, dtype=torch.int32, **kw)
+        self.block_tables = torch.zeros(self.max_bs, self.max_num_blocks, dtype=torch.int32, **kw)
+        # One decode token per request: query offsets are simply 0, 1, 2, ...
+        self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=torch.int32, **kw)
+        self.hidden_states = torch.zeros(self.max_bs, hidden_size, dtype=dtype, **kw)
+        self.graphs: dict[int, torch.cuda.CUDAGraph | _EagerReplay] = {}
+        self.graph_pool = None
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
+            seq_lens_k=self.seq_lens_k[:bs], block_tables=self.block_tables[:bs],
+            max_seqlen_q=1, max_seqlen_k=self.max_model_len, is_decode=True)
+
+    def _forward_into_buffers(self, bs: int) -> None:
+        self.hidden_states[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self._metadata(bs))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every batch size, largest first, in one shared memory pool.
+
+        The padded rows write nowhere (slot -1) and attend to one token, so capturing over the
+        zeroed buffers leaves the KV cache untouched.
+        """
+        for bs in reversed(self.batch_sizes):
+            if not self.use_cuda_graph:
+                self.graphs[bs] = _EagerReplay(lambda bs=bs: self._forward_into_buffers(bs))
+                continue
+            # A warm-up run first: lazy initialisations (cuBLAS handles, NCCL communicators,
+            # Triton autotuning) must not happen inside the capture.
+            self._forward_into_buffers(bs)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                self._forward_into_buffers(bs)
+            if self.graph_pool is None:
+                self.graph_pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+
+    def padded_batch_size(self, n: int) -> int:
+        """The captured size a batch of ``n`` replays (the smallest one ``>= n``)."""
+        if not 1 <= n <= self.max_bs:
+            raise ValueError(f"n must be in [1, {self.max_bs}], got {n}")
+        return next(bs for bs in self.batch_sizes if bs >= n)
+
+    def can_run(self, input_ids: torch.Tensor, attn_metadata: AttentionMetadata) -> bool:
+        """A pure-decode batch no larger than the largest graph, with block tables that fit."""
+        return (bool(self.graphs) and attn_metadata.is_decode
+                and 1 <= input_ids.numel() <= self.max_bs
+                and attn_metadata.block_tables.size(1) <= self.max_num_blocks)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Replay the decode forward of ``n`` requests; returns their ``[n, hidden]`` states.
+
+        The returned tensor is a view of the graph's output buffer, valid until the next replay.
+        """
+        n = input_ids.numel()
+        bs = self.padded_batch_size(n)
+        width = attn_metadata.block_tables.size(1)
+        self.input_ids[:n] = input_ids
+        self.positions[:n] = positions
+        self.slot_mapping[:bs].fill_(-1)
+        self.slot_mapping[:n] = attn_metadata.slot_mapping
+        self.seq_lens_k[:bs].fill_(1)
+        self.seq_lens_k[:n] = attn_metadata.seq_lens_k
+        self.block_tables[:n, :width] = attn_metadata.block_tables
+        # Columns past this batch's width may hold an earlier batch's block ids: real block ids,
+        # so reading them is safe, and the context lengths mask them out.
+        self.graphs[bs].replay()
+        return self.hidden_states[:n]
