@@ -1,0 +1,66 @@
+"""Speculative decoding in the engine (chapter 05's proposers and rejection sampler).
+
+Greedy output must not change, whether drafts are mostly right (a draft model identical to the
+target, an n-gram lookup on a repetitive prompt) or mostly wrong (an unrelated draft model).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_engine_parity import BLOCK, GREEDY, assert_no_leak, hf_greedy, make_prompts
+from vllm_from_scratch import LLM, SamplingParams
+
+
+def _spec_llm(model_dir, spec, **kw):
+    return LLM(model_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=128, dtype="float32",
+               speculative_config=spec, **kw)
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_draft_model_keeps_greedy_output(tiny_llama_dir, tiny_qwen3_dir, draft):
+    draft_dir = tiny_llama_dir if draft == "same" else tiny_qwen3_dir
+    llm = _spec_llm(tiny_llama_dir, {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3})
+    prompts = make_prompts(5, (7, 19, 30))
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o["token_ids"] == hf_greedy(tiny_llama_dir, tuple(p))
+    spec = llm.llm_engine.spec_decoder
+    assert spec.num_drafts > 0
+    if draft == "same":  # the target agrees with itself: every draft is accepted
+        assert spec.num_accepted == spec.num_drafts
+    else:
+        assert spec.num_accepted < spec.num_drafts
+    assert_no_leak(llm)
+
+
+def test_ngram_keeps_greedy_output_with_chunks_and_prefix_cache(tiny_qwen3_dir):
+    llm = _spec_llm(tiny_qwen3_dir, {"method": "ngram", "num_speculative_tokens": 4},
+                    max_num_batched_tokens=16)
+    base = make_prompts(6, (6,))[0]
+    prompts = [base * 4, make_prompts(7, (23,))[0], base * 2 + [5, 6]]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o["token_ids"] == hf_greedy(tiny_qwen3_dir, tuple(p))
+    assert llm.llm_engine.spec_decoder.num_drafts > 0
+    assert_no_leak(llm)
+
+
+def test_sampled_spec_decoding_runs_and_frees_blocks(tiny_llama_dir):
+    llm = _spec_llm(tiny_llama_dir, {"method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": 2})
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=3)
+    a = llm.generate(make_prompts(8, (10, 12)), params, use_tqdm=False)
+    assert all(len(o["token_ids"]) >= 1 for o in a)
+    assert all(0 <= t < 512 for o in a for t in o["token_ids"])
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("spec, name", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "bogus"),
+])
+def test_bad_speculative_config_names_the_key(tiny_llama_dir, spec, name):
+    with pytest.raises(ValueError, match=name):
+        _spec_llm(tiny_llama_dir, spec)
