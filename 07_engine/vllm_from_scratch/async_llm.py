@@ -109,9 +109,12 @@ class AsyncLLM:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop (failing what still runs), then the engine's workers, if it has any."""
         if self._thread.is_alive():
             self._commands.put(_SHUTDOWN)
             self._thread.join(timeout)
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:

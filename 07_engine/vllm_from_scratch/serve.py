@@ -400,7 +400,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine arguments the user set; the rest keep ``LLMEngine``'s own defaults."""
     names = ("device", "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
              "kvcache_block_size", "num_kvcache_blocks", "enable_prefix_caching",
-             "enable_chunked_prefill", "tensor_parallel_size", "enforce_eager")
+             "enable_chunked_prefill", "tensor_parallel_size", "enforce_eager",
+             "gpu_memory_utilization", "cpu_kvcache_space_gib")
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
@@ -429,6 +430,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     engine.add_argument("--tensor-parallel-size", type=int, default=None)
     engine.add_argument("--enforce-eager", action="store_true", default=None)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=None)
+    engine.add_argument("--cpu-kvcache-space-gib", type=float, default=None,
+                        help="KV cache size on CPU when --num-kvcache-blocks is not given")
     return parser.parse_args(argv)
 
 
