@@ -7,9 +7,9 @@ Each chapter has a registry, ``exercises/<chapter>/exercises.toml``, listing its
     title = "Grow a block table"                         # one line for the exercise list
     target = "block_manager:BlockManager.allocate_slots" # module:qualified name of the reference
     stub = "block_manager_exercises.py:allocate_slots"   # file (beside the registry):function
-    tests = ["01_paged_kv/test_block_manager.py::test_allocate_slots_grows_one_block_at_a_time"]
+    tests = ["01_paged_kv/test_block_manager.py::test_token_level_allocate_slots_grows_chunk_by_chunk"]
 
-The stub files ship with the book, each function raising ``NotImplementedError("Exercise 01.2:
+A test grades at most one exercise. The stub files ship with the book, each function raising ``NotImplementedError("Exercise 01.2:
 implement BlockManager.allocate_slots — see 01_paged_kv/README.md#exercises")``. Students edit
 the stubs, never the tests. With ``--impl=student`` (or ``VFS_IMPL=student``) every test runs with
 the student's version of the exercises that list it put in place of the reference: the class
@@ -98,6 +98,12 @@ def load_exercises(exercises_dir: Path = EXERCISES_DIR) -> list[Exercise]:
                 raise ValueError(f"{registry}: exercise {entry['id']}: target and stub are 'file:name'")
             found.append(Exercise(entry["id"], chapter, entry["title"], entry["target"], entry["stub"],
                                   tuple(entry["tests"])))
+    owner: dict[str, str] = {}
+    for e in found:  # one test grades one exercise, so every exercise's score is its own
+        for t in e.tests:
+            if t in owner:
+                raise ValueError(f"test {t} is listed by exercises {owner[t]} and {e.id}")
+            owner[t] = e.id
     ids = [e.id for e in found]
     if len(ids) != len(set(ids)):
         raise ValueError(f"exercise ids are not unique: {sorted(i for i in ids if ids.count(i) > 1)}")

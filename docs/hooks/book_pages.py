@@ -1,0 +1,267 @@
+"""MkDocs hook: put the chapter READMEs into the site at build time, without copying them by hand.
+
+The chapters' text lives in ``0X_chapter/README.md`` beside their code; ``docs/`` holds only the
+book-level pages. At build time this hook:
+
+* adds each chapter README as the page ``0X_chapter/README.md`` (served as ``0X_chapter/``) and
+  the repository's ``README.md`` as ``getting-started.md``, and lists the chapters in the nav;
+* rewrites their relative links for the site: a link into ``docs/`` points at that page, a link
+  to another README points at its page, and a link to any other file of the repository (code,
+  a figure) keeps working because that file is published beside the page;
+* fills ``<!-- book:chapter-results -->`` (in ``results.md``) with each chapter's measured
+  results section and ``<!-- book:exercises -->`` (in ``exercises.md``) with the exercise
+  registries of ``exercises/``.
+
+A link to something that does not exist is left alone, so ``mkdocs build --strict`` still fails
+on it. Registered in ``mkdocs.yml`` under ``hooks:``.
+"""
+
+from __future__ import annotations
+
+import ast
+import posixpath
+import re
+import tomllib
+from pathlib import Path
+
+from mkdocs.structure.files import File
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAPTER_RE = re.compile(r"^\d\d_[a-z0-9_]+$")
+# [text](target) and ![alt](target); the target stops at whitespace or ')'.
+LINK_RE = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\s+\"[^\"]*\")?\)")
+FENCE_RE = re.compile(r"^(```|~~~)")
+RESULTS_HEADING_RE = re.compile(r"^(#{2,3})\s+(.*(result|measur|benchmark|numbers).*)$", re.I)
+
+
+def chapters() -> list[str]:
+    """Chapter directories that have a README, in book order."""
+    return sorted(p.name for p in ROOT.iterdir()
+                  if p.is_dir() and CHAPTER_RE.match(p.name) and (p / "README.md").is_file())
+
+
+def chapter_title(chapter: str) -> str:
+    """The README's first heading, else the directory name."""
+    for line in (ROOT / chapter / "README.md").read_text(encoding="utf-8").splitlines():
+        if line.startswith("# "):
+            return line[2:].strip()
+    return chapter
+
+
+# Repository files published as pages: repo path -> site path.
+def _pages() -> dict[str, str]:
+    pages = {"README.md": "getting-started.md"}
+    pages.update({f"{c}/README.md": f"{c}/README.md" for c in chapters()})
+    return pages
+
+
+def _split_lines_outside_fences(text: str):
+    """Yield (line, in_code) so links inside code blocks are never touched."""
+    in_code = False
+    for line in text.splitlines(keepends=True):
+        if FENCE_RE.match(line.lstrip()):
+            in_code = not in_code
+            yield line, True
+            continue
+        yield line, in_code
+
+
+def rewrite_links(text: str, repo_path: str, site_path: str, pages: dict[str, str],
+                  assets: dict[str, str]) -> str:
+    """Point the relative links of ``repo_path`` (published at ``site_path``) at site paths.
+
+    Repository files linked that are neither pages nor docs are collected in ``assets``
+    (site path -> repo path) to be published as they are.
+    """
+    repo_dir = posixpath.dirname(repo_path)
+    site_dir = posixpath.dirname(site_path)
+
+    def fix(match: re.Match) -> str:
+        prefix, target, title = match.group(1), match.group(2), match.group(3) or ""
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith(("#", "/")):
+            return match.group(0)
+        path, _, anchor = target.partition("#")
+        resolved = posixpath.normpath(posixpath.join(repo_dir, path))
+        if resolved.startswith(".."):
+            return match.group(0)
+        if posixpath.join(resolved, "README.md") in pages:  # a link to a chapter's folder
+            resolved = posixpath.join(resolved, "README.md")
+        if resolved in pages:
+            new = pages[resolved]
+        elif resolved.startswith("docs/") and (ROOT / resolved).exists():
+            new = resolved[len("docs/"):]
+        elif (ROOT / resolved).is_file():
+            new = resolved
+            assets[new] = resolved
+        else:
+            return match.group(0)  # broken: left for --strict to report
+        rel = posixpath.relpath(new, site_dir or ".")
+        return f"{prefix}{rel}{'#' + anchor if anchor else ''}{title})"
+
+    out = []
+    for line, in_code in _split_lines_outside_fences(text):
+        out.append(line if in_code else LINK_RE.sub(fix, line))
+    return "".join(out)
+
+
+def results_section(chapter: str) -> str | None:
+    """The README's measured-results section (heading to the next heading of its level)."""
+    lines = (ROOT / chapter / "README.md").read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        m = RESULTS_HEADING_RE.match(line)
+        if not m:
+            continue
+        level = len(m.group(1))
+        body = []
+        in_code = False
+        for nxt in lines[i + 1:]:
+            if FENCE_RE.match(nxt.lstrip()):
+                in_code = not in_code
+            if not in_code and re.match(rf"^#{{1,{level}}}\s", nxt):
+                break
+            body.append(nxt)
+        return "\n".join(body).strip()
+    return None
+
+
+def chapter_results_markdown(pages, assets) -> str:
+    parts = []
+    for chapter in chapters():
+        section = results_section(chapter)
+        if section is None:
+            continue
+        # The section is moved to results.md at the site root: fix its links from there.
+        section = rewrite_links(section, f"{chapter}/README.md", "results.md", pages, assets)
+        section = re.sub(r"^(#{1,4}) ", lambda m: "#" * min(len(m.group(1)) + 2, 6) + " ", section, flags=re.M)
+        parts.append(f"### {chapter_title(chapter)}\n\nFrom [{chapter}]({chapter}/README.md).\n\n{section}\n")
+    return "\n".join(parts) if parts else "_No chapter has published measured results yet._\n"
+
+
+def exercises_markdown() -> str:
+    parts = []
+    for registry in sorted((ROOT / "exercises").glob("*/exercises.toml")):
+        chapter = registry.parent.name
+        with open(registry, "rb") as f:
+            data = tomllib.load(f)
+        rows = ["| id | you write | in | checked by |", "| --- | --- | --- | --- |"]
+        for ex in data.get("exercise", []):
+            module, qualname = ex["target"].split(":")
+            stub_file = ex["stub"].split(":")[0]
+            tests = "<br>".join(f"`{t.split('::', 1)[1]}`" for t in ex["tests"])
+            rows.append(f"| {ex['id']} | `{qualname}` ({module}.py): {ex['title']} | "
+                        f"`exercises/{chapter}/{stub_file}` | {tests} |")
+        title = chapter_title(chapter) if (ROOT / chapter / "README.md").exists() else chapter
+        link = f"[{title}]({chapter}/README.md)" if (ROOT / chapter / "README.md").exists() else title
+        parts.append(f"### {link}\n\n" + "\n".join(rows) + "\n")
+    return "\n".join(parts)
+
+
+def chapter_sizes_markdown() -> str:
+    """Words of prose and lines of code per chapter, and the reading time they suggest.
+
+    Reading time: prose at 200 words a minute, modules at 20 lines a minute (code is read
+    twice: once for the idea, once for the edge cases), tests at 60 lines a minute.
+    """
+    rows = ["| chapter | README words | module lines | test lines | reading time |",
+            "| --- | ---: | ---: | ---: | ---: |"]
+    for chapter in chapters():
+        d = ROOT / chapter
+        words = len((d / "README.md").read_text(encoding="utf-8").split())
+        py = [p for p in d.rglob("*.py") if "__pycache__" not in p.parts]
+        tests = sum(_code_lines(p) for p in py if p.name.startswith("test_"))
+        code = sum(_code_lines(p) for p in py if not p.name.startswith("test_"))
+        minutes = words / 200 + code / 20 + tests / 60
+        rows.append(f"| [{chapter}]({chapter}/README.md) | {words:,} | {code:,} | {tests:,} | "
+                    f"{_duration(minutes)} |")
+    return "\n".join(rows) + "\n"
+
+
+def _code_lines(path: Path) -> int:
+    return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+
+
+def _duration(minutes: float) -> str:
+    minutes = 5 * max(1, round(minutes / 5))
+    return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def chapter_modules() -> dict[str, str]:
+    """Flat module name -> chapter, for every module a chapter folder holds (tests excluded)."""
+    return {p.stem: c for c in chapters() for p in (ROOT / c).glob("*.py")
+            if not p.name.startswith("test_") and p.name not in ("demo.py", "conftest.py")}
+
+
+def engine_imports_markdown() -> str:
+    """Which chapter modules each engine module imports, read from the code itself (AST)."""
+    owners = chapter_modules()
+    package = ROOT / "07_engine" / "vllm_from_scratch"
+    rows = ["| engine module | imports from the chapters |", "| --- | --- |"]
+    for path in sorted(package.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        used = {}
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                top = node.module.split(".")[0]
+                if top in owners and owners[top] != "07_engine":
+                    used.setdefault(top, []).extend(a.name for a in node.names)
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in owners and owners[a.name] != "07_engine":
+                        used.setdefault(a.name, [])
+        if used:
+            cells = "<br>".join(f"`{m}` ({owners[m][:2]}): {', '.join(f'`{n}`' for n in names) or 'module'}"
+                                for m, names in sorted(used.items(), key=lambda kv: owners[kv[0]]))
+            rows.append(f"| `{path.relative_to(package.parent).as_posix()}` | {cells} |")
+    if len(rows) == 2:
+        return "_The engine imports no chapter module yet._\n"
+    return "\n".join(rows) + "\n"
+
+
+# ---------------------------------------------------------------------------- MkDocs events
+_assets: dict[str, str] = {}
+
+
+def on_config(config):
+    """List the chapters that exist in the nav, after the book-level pages."""
+    nav = config.get("nav") or []
+    chapter_nav = [{chapter_title(c): f"{c}/README.md"} for c in chapters()]
+    for i, entry in enumerate(nav):
+        if isinstance(entry, dict) and "Chapters" in entry:
+            nav[i] = {"Chapters": chapter_nav}
+    config["nav"] = nav
+    return config
+
+
+def on_files(files, config):
+    _assets.clear()
+    pages = _pages()
+    for repo_path, site_path in pages.items():
+        text = (ROOT / repo_path).read_text(encoding="utf-8")
+        text = rewrite_links(text, repo_path, site_path, pages, _assets)
+        files.append(File.generated(config, site_path, content=text))
+    # results.md is filled in on_page_markdown; the files its sections link to are published now.
+    chapter_results_markdown(pages, _assets)
+    for site_path, repo_path in sorted(_assets.items()):
+        if files.get_file_from_path(site_path) is None:
+            files.append(File.generated(config, site_path, abs_src_path=str(ROOT / repo_path)))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    pages = _pages()
+    if "<!-- book:chapter-results -->" in markdown:
+        markdown = markdown.replace("<!-- book:chapter-results -->", chapter_results_markdown(pages, {}))
+    if "<!-- book:chapter-sizes -->" in markdown:
+        markdown = markdown.replace("<!-- book:chapter-sizes -->", chapter_sizes_markdown())
+    if "<!-- book:engine-imports -->" in markdown:
+        markdown = markdown.replace("<!-- book:engine-imports -->", engine_imports_markdown())
+    if "<!-- book:exercises -->" in markdown:
+        markdown = markdown.replace("<!-- book:exercises -->", exercises_markdown())
+    return markdown
+
+
+if __name__ == "__main__":  # a quick look at what the hook would publish
+    print("chapters:", ", ".join(chapters()) or "none")
+    for c in chapters():
+        print(f"{c}: results section {'found' if results_section(c) else 'missing'}")

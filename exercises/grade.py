@@ -1,0 +1,131 @@
+"""Grade exercises with the chapters' own tests: one pytest run per chapter, a score per exercise.
+
+    python exercises/grade.py                                  # the stubs in exercises/
+    python exercises/grade.py --exercises-dir submissions/ada  # one student's copy of exercises/
+    python exercises/grade.py --chapter 01_paged_kv --json ada.json
+    python exercises/grade.py --impl reference                 # the book itself: all must pass
+
+Each chapter's run selects only the tests its registry lists, runs them with ``--impl=student``
+in a fresh interpreter (so one submission cannot leak into the next), and reads pytest's JUnit
+XML report. An exercise scores the fraction of its tests that passed; a test that failed with the
+stub's own ``NotImplementedError`` is reported as "not attempted".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import exercise_plugin as ep
+
+
+@dataclass
+class TestResult:
+    nodeid: str
+    outcome: str  # "passed", "failed", "error" or "skipped"
+    message: str = ""
+
+
+@dataclass
+class ExerciseScore:
+    id: str
+    chapter: str
+    target: str
+    passed: int = 0
+    total: int = 0
+    not_attempted: bool = False
+    tests: list[TestResult] = field(default_factory=list)
+
+
+def _nodeid(case: ET.Element) -> str:
+    """Rebuild pytest's node id from a JUnit testcase (classname is the dotted file path)."""
+    classname, name = case.get("classname", ""), case.get("name", "")
+    parts = classname.split(".")
+    # The file part ends at the first component that names a test module; the rest are classes.
+    for i, part in enumerate(parts):
+        if part.startswith("test_"):
+            path = "/".join(parts[: i + 1]) + ".py"
+            return "::".join([path, *parts[i + 1:], name])
+    return f"{classname}::{name}"
+
+
+def run_chapter(chapter: str, exercises: list[ep.Exercise], impl: str, exercises_dir: Path | None,
+                timeout: float = 600) -> dict[str, TestResult]:
+    """Run ``chapter``'s exercise tests once; results keyed by pytest node id."""
+    node_ids = list(dict.fromkeys(t for ex in exercises for t in ex.tests))
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", *node_ids, f"--impl={impl}", "-q", "-p", "no:cacheprovider",
+               "-o", "junit_family=xunit1", f"--junitxml={report}"]
+        if exercises_dir is not None:
+            cmd.append(f"--exercises-dir={exercises_dir}")
+        proc = subprocess.run(cmd, cwd=ep.ROOT, capture_output=True, text=True, timeout=timeout)
+        if not report.exists():
+            raise RuntimeError(f"pytest wrote no report for {chapter}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        results = {}
+        for case in ET.parse(report).getroot().iter("testcase"):
+            outcome, message = "passed", ""
+            for tag in ("failure", "error", "skipped"):
+                el = case.find(tag)
+                if el is not None:
+                    outcome = {"failure": "failed"}.get(tag, tag)
+                    message = (el.get("message") or "") + "\n" + (el.text or "")
+                    break
+            nodeid = _nodeid(case)
+            results[nodeid] = TestResult(nodeid, outcome, message.strip())
+        return results
+
+
+def score(exercises: list[ep.Exercise], results: dict[str, TestResult]) -> list[ExerciseScore]:
+    scores = []
+    for ex in exercises:
+        s = ExerciseScore(ex.id, ex.chapter, ex.target)
+        s.tests = [r for nodeid, r in results.items() if ex.selects(nodeid)]
+        s.total = len(s.tests)
+        s.passed = sum(r.outcome == "passed" for r in s.tests)
+        s.not_attempted = s.total > 0 and all(ex.message in r.message for r in s.tests)
+        scores.append(s)
+    return scores
+
+
+def grade(impl: str = "student", exercises_dir: Path | None = None,
+          chapters: list[str] | None = None) -> list[ExerciseScore]:
+    """Scores of every exercise of ``chapters`` (all chapters with a registry by default)."""
+    exercises = ep.load_exercises()
+    scores = []
+    for chapter in dict.fromkeys(ex.chapter for ex in exercises):
+        if chapters and chapter not in chapters:
+            continue
+        mine = [ex for ex in exercises if ex.chapter == chapter]
+        scores += score(mine, run_chapter(chapter, mine, impl, exercises_dir))
+    return scores
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--impl", choices=ep.IMPLS, default="student")
+    parser.add_argument("--exercises-dir", type=Path, default=None,
+                        help="a copy of exercises/ holding the work to grade (default: exercises/)")
+    parser.add_argument("--chapter", action="append", help="grade only this chapter (repeatable)")
+    parser.add_argument("--json", type=Path, help="also write the scores, test by test, as JSON")
+    args = parser.parse_args(argv)
+    scores = grade(args.impl, args.exercises_dir.resolve() if args.exercises_dir else None, args.chapter)
+    print(f"{'exercise':<9} {'target':<52} {'passed':>8}  note")
+    for s in scores:
+        note = "not attempted" if s.not_attempted else ("" if s.passed == s.total else "incomplete")
+        print(f"{s.id:<9} {s.target:<52} {s.passed:>3}/{s.total:<4}  {note}")
+    full = sum(s.passed == s.total > 0 for s in scores)
+    print(f"\n{full}/{len(scores)} exercises complete")
+    if args.json:
+        args.json.write_text(json.dumps([asdict(s) for s in scores], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
