@@ -164,6 +164,14 @@ class SchedulerOutput:
         """Scheduled requests that sample at least one token this step, in batch order."""
         return [r for r in self.scheduled_requests if r.request_id in self.sampling_request_ids]
 
+    def is_decoding(self, request: Request) -> bool:
+        """True for a decode row: past the prompt, feeding the last sampled token (and drafts).
+
+        Like :meth:`input_token_ids`, valid between ``schedule()`` and ``update_from_output()``.
+        """
+        start = self.num_computed_tokens[request.request_id]
+        return start >= request.num_prompt_tokens and start == request.num_tokens - 1
+
     def input_token_ids(self, request: Request) -> list[int]:
         """The token ids this step feeds for ``request`` (its known tokens, then its drafts)."""
         rid = request.request_id
@@ -361,12 +369,26 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         """Choose this step's batch and reserve its KV slots."""
+        out = self._new_output()
+        budget = self.max_num_batched_tokens
+        scheduled_running, budget = self._schedule_running(out, budget)
+        scheduled_new: list[Request] = []
+        # Admitting a request right after taking blocks from a running one would only set up
+        # the next preemption.
+        if not out.preempted_requests:
+            scheduled_new, budget = self._schedule_waiting(out, budget)
+        out.scheduled_requests = scheduled_running + scheduled_new
+        self.num_steps += 1
+        return out
+
+    def _new_output(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self.finished_req_ids)
         self.finished_req_ids = set()
-        budget = self.max_num_batched_tokens
-        scheduled_running: list[Request] = []
+        return out
 
-        # Phase 1: requests that already hold blocks.
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[list[Request], int]:
+        """Phase 1: give running requests their tokens, preempting others when blocks run out."""
+        scheduled: list[Request] = []
         for req in self._running_order():
             if budget <= 0:
                 break
@@ -375,42 +397,39 @@ class Scheduler:
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
             if num_new == 0:
                 continue
-            scheduled = True
             while not self.block_manager.allocate_slots(req, num_new):
                 victim = self._select_victim()
-                if victim in scheduled_running:
-                    scheduled_running.remove(victim)
+                if victim in scheduled:  # it gives back the tokens it was given this step
+                    scheduled.remove(victim)
                     budget += out.num_scheduled_tokens.pop(victim.request_id)
                     out.num_computed_tokens.pop(victim.request_id)
                     out.scheduled_spec_decode_tokens.pop(victim.request_id, None)
+                    out.sampling_request_ids.discard(victim.request_id)
                 self._preempt(victim)
                 out.preempted_requests.append(victim)
                 if victim is req:
-                    scheduled = False
                     break
-            if scheduled:
-                scheduled_running.append(req)
+            else:
+                scheduled.append(req)
                 self._record(out, req, num_new)
                 budget -= num_new
+        return scheduled, budget
 
-        # Phase 2: new and preempted requests, unless this step had to take blocks away.
-        scheduled_new: list[Request] = []
-        if not out.preempted_requests:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting.peek()
-                num_new = self._admit(req, budget)
-                if num_new == 0:
-                    break  # the head of the queue waits; nothing may overtake it
-                self.waiting.pop()
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                scheduled_new.append(req)
-                self._record(out, req, num_new)
-                budget -= num_new
-
-        out.scheduled_requests = scheduled_running + scheduled_new
-        self.num_steps += 1
-        return out
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> tuple[list[Request], int]:
+        """Phase 2: admit waiting (new or preempted) requests, in queue order, while they fit."""
+        scheduled: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.peek()
+            num_new = self._admit(req, budget)
+            if num_new == 0:
+                break  # the head of the queue waits; nothing may overtake it
+            self.waiting.pop()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(req)
+            self._record(out, req, num_new)
+            budget -= num_new
+        return scheduled, budget
 
     def _running_order(self) -> list[Request]:
         """The order phase 1 visits running requests in (a snapshot: preemption edits the list)."""
@@ -504,9 +523,10 @@ class Scheduler:
                 num_computed -= num_spec - (len(sampled) - 1)  # rejected drafts are recomputed
                 status = self._append_tokens(req, sampled)
             req.spec_token_ids = []
-            # The last known token never has K/V yet; only an EOS among accepted drafts (which
-            # truncates them) can push num_computed past it.
-            req.num_computed_tokens = min(num_computed, req.num_tokens - 1)
+            if status is not None:
+                # A stop among the accepted drafts drops the tokens after it, and their K/V.
+                num_computed = min(num_computed, req.num_tokens - 1)
+            req.num_computed_tokens = num_computed
             self.block_manager.cache_full_blocks(req)
             if status is not None:
                 self.running.remove(req)

@@ -1,0 +1,216 @@
+"""A seeded random driver that runs a scheduler against a fake model and checks it at every step.
+
+The fake model is deterministic: the token after a prefix is a hash of that prefix. So every
+request has one *true* completion, whatever the batching, chunking, prefix hits, preemptions or
+speculative drafts on the way, and the driver can compare the scheduler's final outputs with it.
+The model keeps a fake KV cache (the token and position written into every slot) and, before a
+request's forward, checks that its block table really holds its whole computed prefix: a block
+lost, shared by mistake or hit in the prefix cache with the wrong content fails right there.
+
+Chapter 04's tests and chapter 06's (with chunking on) both run :func:`run_random_workload`;
+import it, never copy it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from block_manager import BlockManager
+from scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+
+EOS = 0
+
+
+def true_next_token(prefix: list[int], vocab_size: int) -> int:
+    """The fake model's greedy choice after ``prefix``: a deterministic hash of the prefix."""
+    h = len(prefix)
+    for t in prefix[-6:]:
+        h = (h * 1_000_003 + t * 7919 + 17) % 2_147_483_647
+    return h % vocab_size
+
+
+def true_completion(prompt: list[int], max_tokens: int, vocab_size: int, ignore_eos: bool) -> list[int]:
+    tokens, out = list(prompt), []
+    while len(out) < max_tokens:
+        t = true_next_token(tokens, vocab_size)
+        tokens.append(t)
+        out.append(t)
+        if t == EOS and not ignore_eos:
+            break
+    return out
+
+
+class FakeModel:
+    """Runs a :class:`SchedulerOutput` the way a real model runner would, on a fake KV cache."""
+
+    def __init__(self, block_manager: BlockManager, vocab_size: int):
+        self.bm = block_manager
+        self.vocab_size = vocab_size
+        self.kv: list[tuple[int, int] | None] = [None] * (block_manager.num_blocks * block_manager.block_size)
+        self.num_forward_tokens = 0
+
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        sampled: dict[str, list[int]] = {}
+        for req in out.scheduled_requests:
+            rid = req.request_id
+            start = out.num_computed_tokens[rid]
+            tokens = out.input_token_ids(req)
+            assert len(tokens) == out.num_scheduled_tokens[rid]
+            slots = self.bm.slot_mapping(req, 0, start + len(tokens))
+            for p in range(start):  # attention reads the cached prefix: it must be this request's
+                assert self.kv[slots[p]] == (req.token_ids[p], p), \
+                    f"{rid}: slot {slots[p]} (position {p}) holds {self.kv[slots[p]]}, not {req.token_ids[p]}"
+            for i, t in enumerate(tokens):
+                self.kv[slots[start + i]] = (t, start + i)
+            self.num_forward_tokens += len(tokens)
+            if out.produces_token(req):
+                sampled[rid] = self._verify(req.token_ids[:start] + tokens,
+                                            out.scheduled_spec_decode_tokens.get(rid, []))
+        return sampled
+
+    def _verify(self, fed: list[int], drafts: list[int]) -> list[int]:
+        """Greedy draft verification: accepted drafts, then the model's own next token."""
+        base = len(fed) - len(drafts)
+        result = []
+        for j in range(len(drafts) + 1):
+            t = true_next_token(fed[: base + j], self.vocab_size)
+            result.append(t)
+            if j == len(drafts) or drafts[j] != t:
+                break
+        return result
+
+
+@dataclass
+class WorkloadResult:
+    seed: int
+    num_steps: int = 0
+    num_requests: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_preemptions: int = 0
+    num_forward_tokens: int = 0
+    num_spec_accepted: int = 0
+    params: dict = field(default_factory=dict)
+
+
+def check_output(sched: Scheduler, out: SchedulerOutput, running_before: set[str],
+                 threshold: int | None = None) -> None:
+    """Step-level properties every scheduler must keep (``running_before``: ids before the step)."""
+    ids = [r.request_id for r in out.scheduled_requests]
+    assert len(ids) == len(set(ids)), f"a request scheduled twice: {ids}"
+    assert set(ids) == set(out.num_scheduled_tokens), "scheduled requests and token counts disagree"
+    assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens, "token budget exceeded"
+    assert len(ids) <= sched.max_num_seqs, "max_num_seqs exceeded"
+    preempted = {r.request_id for r in out.preempted_requests}
+    assert not preempted & set(ids), "a preempted request was scheduled in the same step"
+    if sched.has_requests():
+        assert out.scheduled_requests, "no progress: requests are waiting but nothing was scheduled"
+    if out.preempted_requests:
+        assert all(r.request_id in running_before for r in out.scheduled_requests), \
+            "a waiting request was admitted in a step that preempted"
+    for req in out.scheduled_requests:
+        n = out.num_scheduled_tokens[req.request_id]
+        start = out.num_computed_tokens[req.request_id]
+        num_spec = len(out.scheduled_spec_decode_tokens.get(req.request_id, ()))
+        assert n >= 1 and req.status == RequestStatus.RUNNING
+        assert start == req.num_computed_tokens
+        assert start + n - num_spec <= req.num_tokens
+        assert len(req.block_table) * sched.block_size >= start + n, "slots not reserved"
+        if not sched.chunked_prefill:
+            assert out.produces_token(req), "without chunking every scheduled request samples"
+        if threshold is not None and start < req.num_tokens - 1:
+            assert n - num_spec <= threshold, "a prefill chunk exceeds long_prefill_token_threshold"
+
+
+def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, prefix_caching: bool = False,
+                        chunked: bool = False, policy: str | None = None, spec: bool = True,
+                        max_steps: int = 5000) -> WorkloadResult:
+    """Drive one random workload to the end, asserting invariants after every step.
+
+    ``make_scheduler(max_num_seqs=, max_num_batched_tokens=, num_gpu_blocks=, policy=,
+    block_size=, block_manager=)`` builds the scheduler under test. Random: block size, cache
+    size (from "one request barely fits" up), ``max_num_seqs``, token budget, arrival steps,
+    prompt lengths (sharing prefixes, so the prefix cache hits), ``max_tokens``, priorities,
+    ``ignore_eos``, aborts (between steps and between a schedule and its update), and draft
+    tokens (right or wrong). Returns counters; raises AssertionError on any violation.
+    """
+    rng = random.Random(seed)
+    vocab = rng.choice([16, 40, 200])  # small vocabularies hit EOS often
+    bs = rng.choice([1, 2, 4, 8])
+    num_requests = rng.randint(1, 12)
+    max_prompt = rng.randint(1, 40)
+    max_out = rng.randint(1, 24)
+    longest = max_prompt + max_out - 1
+    num_blocks = -(-longest // bs) + rng.choice([0, 0, 1, 3, 8, 30])
+    budget = rng.randint(1, 3 * longest) if chunked else rng.randint(longest, 3 * longest)
+    threshold = rng.choice([None, None, rng.randint(1, 16)]) if chunked else None
+    max_num_seqs = rng.randint(1, 6)
+    policy = policy or rng.choice(["fcfs", "priority"])
+    if prefix_caching:
+        from prefix_block_manager import PrefixCachingBlockManager
+        bm = PrefixCachingBlockManager(num_blocks, bs)
+    else:
+        bm = BlockManager(num_blocks, bs)
+    kwargs = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, num_gpu_blocks=num_blocks,
+                  policy=policy, block_size=bs, block_manager=bm)
+    if threshold is not None:
+        kwargs["long_prefill_token_threshold"] = threshold
+    sched = make_scheduler(**kwargs)
+    model = FakeModel(bm, vocab)
+    res = WorkloadResult(seed, num_requests=num_requests,
+                         params=dict(kwargs, block_manager=type(bm).__name__, vocab=vocab))
+
+    bases = [[rng.randrange(1, vocab) for _ in range(max_prompt)] for _ in range(2)]
+    arrivals: dict[int, list[Request]] = {}
+    for i in range(num_requests):
+        plen = rng.randint(1, max_prompt)
+        shared = rng.randint(0, plen) if rng.random() < 0.6 else 0
+        prompt = rng.choice(bases)[:shared] + [rng.randrange(1, vocab) for _ in range(plen - shared)]
+        req = Request(f"r{i}", prompt, max_tokens=rng.randint(1, max_out), priority=rng.randint(0, 2),
+                      arrival_time=float(rng.randint(0, 5)), eos_token_id=EOS,
+                      ignore_eos=rng.random() < 0.3, block_size=bs)
+        arrivals.setdefault(rng.randint(0, 25), []).append(req)
+    all_reqs = [r for rs in arrivals.values() for r in rs]
+    p_abort = rng.choice([0.0, 0.02, 0.1])
+    p_draft = rng.choice([0.0, 0.5, 1.0]) if spec else 0.0
+
+    step = 0
+    while step <= max(arrivals) or sched.has_requests():
+        assert step < max_steps, f"seed {seed}: no end after {max_steps} steps (livelock?)"
+        for req in arrivals.get(step, []):
+            sched.add_request(req)
+        if sched.running and rng.random() < p_abort:
+            res.num_aborted += sched.abort_request(rng.choice(list(sched.requests)))
+        for req in sched.running:  # the engine proposes drafts for decoding requests
+            if rng.random() < p_draft and req.num_computed_tokens == req.num_tokens - 1:
+                truth = true_completion(req.token_ids, 4, vocab, ignore_eos=True)
+                req.spec_token_ids = [t if rng.random() < 0.7 else rng.randrange(vocab) for t in truth]
+        running_before = {r.request_id for r in sched.running}
+        out = sched.schedule()
+        check_output(sched, out, running_before, threshold)
+        sampled = model.execute(out)
+        if out.scheduled_requests and rng.random() < p_abort:  # a client leaves mid-step
+            res.num_aborted += sched.abort_request(rng.choice(out.scheduled_requests).request_id)
+        for rid, toks in sampled.items():
+            res.num_spec_accepted += len(toks) - 1
+        sched.update_from_output(out, sampled)
+        sched.check_invariants()
+        step += 1
+
+    res.num_steps = step
+    res.num_preemptions = sched.num_preemptions
+    res.num_forward_tokens = model.num_forward_tokens
+    assert bm.all_blocks_free(), f"seed {seed}: blocks still held at the end"
+    for req in all_reqs:
+        assert req.is_finished and not req.block_table, req
+        if req.status == RequestStatus.FINISHED_ABORTED:
+            continue
+        res.num_finished += 1
+        expected = true_completion(req.prompt_token_ids, req.max_tokens, vocab, req.ignore_eos)
+        assert req.completion_token_ids == expected, \
+            f"seed {seed}: {req.request_id} produced {req.completion_token_ids}, expected {expected}"
+        stopped_on_eos = expected[-1] == EOS and not req.ignore_eos
+        assert req.status == (RequestStatus.FINISHED_STOPPED if stopped_on_eos else RequestStatus.FINISHED_LENGTH)
+    return res
