@@ -1,0 +1,141 @@
+"""The engine's public contract: argument checking, the streaming interface, stops, aborts, stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_engine_parity import BLOCK, GREEDY, assert_no_leak, hf_greedy, make_prompts
+from vllm_from_scratch import LLM, LLMEngine, RequestOutput, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32",
+               max_model_len=128)
+
+
+@pytest.mark.parametrize("prompt, name", [
+    ([], "prompt"),
+    (list(range(3, 131)), "max_model_len"),
+    ([5, 512], "vocabulary"),
+    ([5, -1], "vocabulary"),
+    ("text", "token ids"),  # the tiny checkpoint has no tokenizer
+])
+def test_bad_prompt_raises_before_anything_is_scheduled(llm, prompt, name):
+    good = [3, 4, 5]
+    with pytest.raises(ValueError, match=name):
+        llm.generate([good, prompt], GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()  # the good prompt was not queued either
+    assert llm.generate([good], GREEDY, use_tqdm=False)[0]["token_ids"]  # and the engine still works
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_k=-2), "top_k"),
+])
+def test_bad_sampling_params(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_defaults_are_vllms():
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.ignore_eos, p.stop, p.seed) == (1.0, 1.0, -1, 16, False, [], None)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(dtype="float64"), "dtype"),
+    (dict(device="tpu"), "device"),
+    (dict(device="cuda:7"), "device"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(kvcache_block_size=0), "kvcache_block_size"),
+    (dict(max_model_len=10**6), "max_model_len"),
+])
+def test_bad_engine_arguments(tiny_llama_dir, kwargs, name):
+    if kwargs.get("device") == "cuda:7" and torch.cuda.is_available():
+        pytest.skip("a GPU is present: CUDA is a valid device here")
+    with pytest.raises(ValueError, match=name):
+        LLMEngine(tiny_llama_dir, **kwargs)
+
+
+def test_streaming_outputs_add_up(llm, tiny_llama_dir):
+    engine = llm.llm_engine
+    prompt = make_prompts(10, (11,))[0]
+    rid = engine.add_request(prompt, GREEDY, request_id="stream")
+    pieces: list[RequestOutput] = []
+    while engine.has_unfinished_requests():
+        pieces += engine.step()
+    assert all(o.request_id == rid for o in pieces)
+    assert [t for o in pieces for t in o.new_token_ids] == pieces[-1].token_ids == hf_greedy(tiny_llama_dir, tuple(prompt))
+    assert pieces[-1].finished and not any(o.finished for o in pieces[:-1])
+    assert pieces[-1].finish_reason in ("stop", "length") and pieces[-1].num_prompt_tokens == 11
+    stats = engine.get_stats()
+    assert stats["generation_tokens_total"] >= len(pieces[-1].token_ids)
+    assert set(stats) >= {"num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_queries",
+                          "prefix_cache_hits", "prompt_tokens_total", "num_preemptions_total"}
+
+
+def test_duplicate_request_id(llm):
+    engine = llm.llm_engine
+    engine.add_request([3, 4], GREEDY, request_id="dup")
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request([3, 4], GREEDY, request_id="dup")
+    engine.abort_request("dup")
+    assert [o.finish_reason for o in engine.step()] == ["abort"]
+    assert_no_leak(llm)
+
+
+def test_abort_mid_generation_frees_blocks(llm):
+    engine = llm.llm_engine
+    engine.add_request(make_prompts(11, (30,))[0], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True),
+                       request_id="a")
+    engine.add_request([7, 8, 9], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), request_id="b")
+    engine.step()
+    engine.step()
+    assert engine.block_manager.usage > 0
+    assert engine.abort_request("a") and not engine.abort_request("nope")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    done = {o.request_id: o for o in outs if o.finished}
+    assert done["a"].finish_reason == "abort" and done["b"].finish_reason == "length"
+    assert len(done["b"].token_ids) == 3
+    assert_no_leak(llm)
+
+
+def test_max_tokens_and_ignore_eos(llm):
+    out = llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True), use_tqdm=False)
+    assert len(out[0]["token_ids"]) == 7
+
+
+def test_generation_stops_at_max_model_len(llm):
+    prompt = list(range(3, 3 + 120))
+    engine = llm.llm_engine
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True), request_id="long")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs[-1].token_ids) == 128 - 120 and outs[-1].finish_reason == "length"
+
+
+def test_stop_token_ids_end_the_output(llm, tiny_llama_dir):
+    prompt = make_prompts(12, (9,))[0]
+    ref = hf_greedy(tiny_llama_dir, tuple(prompt))
+    stop_at = ref[3]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0]
+    assert out["token_ids"] == ref[: ref.index(stop_at) + 1]
+    assert_no_leak(llm)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    params = SamplingParams(temperature=1.0, top_k=50, max_tokens=10, seed=1234, ignore_eos=True)
+    alone = llm.generate([[3, 4, 5]], params, use_tqdm=False)[0]["token_ids"]
+    noise = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    batched = llm.generate([[9, 9], [3, 4, 5], [7]], [noise, params, noise], use_tqdm=False)[1]["token_ids"]
+    assert alone == batched

@@ -1,0 +1,97 @@
+"""The engine's layers against transformers' own modules, and the model runner's inputs.
+
+(The tensor-parallel split of each linear layer is checked on 2 gloo ranks in
+``test_tensor_parallel.py``.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama import modeling_llama as hf_llama
+
+from sequence import Sequence
+from vllm_from_scratch.config import EngineConfig
+from vllm_from_scratch.layers.layernorm import RMSNorm
+from vllm_from_scratch.layers.rotary_embedding import get_rope
+from vllm_from_scratch.loader import get_model
+from vllm_from_scratch.model_runner import ModelRunner
+from vllm_from_scratch.models import get_model_class
+
+
+def test_rmsnorm_with_and_without_residual_matches_hf():
+    torch.manual_seed(0)
+    x, res = torch.randn(5, 32), torch.randn(5, 32)
+    ours = RMSNorm(32, 1e-6)
+    ours.weight.data.normal_()
+    ref = hf_llama.LlamaRMSNorm(32, eps=1e-6)
+    ref.weight.data.copy_(ours.weight.data)
+    torch.testing.assert_close(ours(x), ref(x))
+    normed, new_res = ours(x, res)
+    torch.testing.assert_close(new_res, x + res)
+    torch.testing.assert_close(normed, ref(x + res))
+
+
+@pytest.mark.parametrize("rope_parameters", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+])
+def test_rotary_embedding_matches_hf(rope_parameters):
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=256,
+                      rope_parameters=rope_parameters)
+    torch.manual_seed(0)
+    positions = torch.tensor([0, 1, 7, 100, 255, 3])
+    q, k = torch.randn(6, 4 * 16), torch.randn(6, 2 * 16)
+    scaling = rope_parameters if rope_parameters["rope_type"] != "default" else None
+    rope = get_rope(16, 256, rope_parameters["rope_theta"], scaling)
+    oq, ok = rope(positions, q, k)
+    hf_rope = hf_llama.LlamaRotaryEmbedding(cfg)
+    cos, sin = hf_rope(q, positions.unsqueeze(0))
+    rq, rk = hf_llama.apply_rotary_pos_emb(q.view(1, 6, 4, 16).transpose(1, 2), k.view(1, 6, 2, 16).transpose(1, 2),
+                                           cos, sin)
+    torch.testing.assert_close(oq, rq.transpose(1, 2).reshape(6, -1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ok, rk.transpose(1, 2).reshape(6, -1), atol=1e-5, rtol=1e-5)
+
+
+def test_registry_and_loader_fuse_qkv_and_gate_up(tiny_qwen3_dir):
+    from safetensors import safe_open
+
+    model = get_model(tiny_qwen3_dir, dtype="bfloat16")
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    with safe_open(f"{tiny_qwen3_dir}/model.safetensors", framework="pt") as f:
+        q = f.get_tensor("model.layers.1.self_attn.q_proj.weight")
+        v = f.get_tensor("model.layers.1.self_attn.v_proj.weight")
+        up = f.get_tensor("model.layers.1.mlp.up_proj.weight")
+    qkv = model.model.layers[1].self_attn.qkv_proj.weight
+    assert torch.equal(qkv[: q.shape[0]], q.bfloat16())
+    assert torch.equal(qkv[-v.shape[0]:], v.bfloat16())
+    assert torch.equal(model.model.layers[1].mlp.gate_up_proj.weight[up.shape[0]:], up.bfloat16())
+
+
+def test_unknown_architecture_is_a_value_error():
+    with pytest.raises(ValueError, match="architectures"):
+        get_model_class(LlamaConfig(architectures=["GPT2LMHeadModel"]))
+
+
+def test_prepare_inputs_for_a_mixed_batch(tiny_llama_dir):
+    """A prefill chunk, a decode and a chunk that does not reach the end of its prompt."""
+    runner = ModelRunner(EngineConfig(tiny_llama_dir, device="cpu", kvcache_block_size=4, num_kvcache_blocks=32,
+                                      dtype="float32"))
+    a = Sequence(list(range(10, 16)), block_size=4)  # 6 prompt tokens, all scheduled
+    a.block_table = [5, 2]
+    b = Sequence(list(range(20, 29)), block_size=4)  # decoding: 8 computed, 1 new
+    b.num_computed_tokens, b.block_table = 8, [0, 1, 3]
+    c = Sequence(list(range(30, 40)), block_size=4)  # chunk of 3 starting at 4, prompt of 10
+    c.num_computed_tokens, c.block_table = 4, [7, 8]
+    inp = runner.prepare_inputs([a, b, c], [6, 1, 3])
+    assert inp.input_ids.tolist() == list(range(10, 16)) + [28] + [34, 35, 36]
+    assert inp.positions.tolist() == [0, 1, 2, 3, 4, 5, 8, 4, 5, 6]
+    assert inp.attn_metadata.slot_mapping.tolist() == [20, 21, 22, 23, 8, 9, 12, 32, 33, 34]
+    assert inp.attn_metadata.cu_seqlens_q.tolist() == [0, 6, 7, 10]
+    assert inp.attn_metadata.seq_lens_k.tolist() == [6, 9, 7]
+    assert inp.attn_metadata.block_tables.tolist() == [[5, 2, 0], [0, 1, 3], [7, 8, 0]]
+    assert not inp.attn_metadata.is_decode
+    assert inp.logits_indices.tolist() == [5, 6] and inp.num_sample_rows == [1, 1, 0]

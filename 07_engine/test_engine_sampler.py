@@ -1,0 +1,77 @@
+"""The sampler: greedy, temperature, top-k, top-p and seeded rows, all in one vectorized call."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_from_scratch.sampler import Sampler, apply_top_k_top_p
+
+V = 8
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def test_greedy_rows_are_argmax_even_in_a_sampled_batch():
+    logits = _logits(4)
+    temps = torch.tensor([0.0, 1.0, 0.0, 0.7])
+    out = Sampler()(logits, temps)
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+def test_top_k_one_is_greedy_and_top_p_keeps_at_least_one():
+    logits = _logits(3, 1)
+    temps = torch.ones(3)
+    assert torch.equal(Sampler()(logits, temps, top_ks=torch.tensor([1, 1, 1])), logits.argmax(-1))
+    assert torch.equal(Sampler()(logits, temps, top_ps=torch.tensor([1e-6] * 3)), logits.argmax(-1))
+
+
+def test_top_k_top_p_masks_match_a_per_row_reference():
+    logits = _logits(5, 2)
+    top_ks = torch.tensor([2, V, 5, 1, 3])
+    top_ps = torch.tensor([1.0, 0.5, 0.8, 1.0, 0.3])
+    masked = apply_top_k_top_p(logits, top_ks, top_ps)
+    for row in range(5):
+        order = logits[row].argsort(descending=True)
+        keep = set(order[: top_ks[row]].tolist())
+        probs = logits[row, order[: top_ks[row]]].softmax(-1)
+        cum, kept_p = 0.0, set()
+        for tok, p in zip(order[: top_ks[row]].tolist(), probs.tolist()):
+            if cum >= top_ps[row]:
+                break
+            kept_p.add(tok)
+            cum += p
+        expected = keep & kept_p
+        assert {i for i in range(V) if masked[row, i] > float("-inf")} == expected, row
+
+
+def test_sampled_frequencies_follow_the_tempered_distribution():
+    torch.manual_seed(0)
+    logits = _logits(1, 3)
+    temp = 0.8
+    n = 40_000
+    out = Sampler()(logits.expand(n, V), torch.full((n,), temp))
+    freq = torch.bincount(out, minlength=V).float() / n
+    expected = (logits[0] / temp).softmax(-1)
+    # 4 standard deviations of a binomial proportion at n = 40k: about 0.01 at most.
+    assert (freq - expected).abs().max() < 4 * (0.25 / n) ** 0.5 + 1e-3
+
+
+def test_seeded_rows_ignore_the_rest_of_the_batch():
+    logits = _logits(3, 4)
+    temps = torch.ones(3)
+
+    def run(batch_seed: int):
+        torch.manual_seed(batch_seed)
+        gens = [None, torch.Generator().manual_seed(7), None]
+        return Sampler()(logits, temps, generators=gens)[1]
+
+    assert run(0) == run(1) == run(2)
+
+
+def test_compute_probs_is_one_hot_for_greedy_rows():
+    logits = _logits(2, 5)
+    probs = Sampler.compute_probs(logits, torch.tensor([0.0, 1.0]))
+    assert probs[0].max() == 1.0 and probs[0].argmax() == logits[0].argmax()
+    torch.testing.assert_close(probs[1], logits[1].softmax(-1))
