@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     print(f"{'exercise':<9} {'target':<52} {'passed':>8}  note")
     for s in scores:
         note = "not attempted" if s.not_attempted else ("" if s.passed == s.total else "incomplete")
-        print(f"{s.id:<9} {s.target:<52} {s.passed:>3}/{s.total:<4}  {note}")
+        print(f"{s.id:<9} {s.target:<66} {s.passed:>3}/{s.total:<4}  {note}")
     full = sum(s.passed == s.total > 0 for s in scores)
     print(f"\n{full}/{len(scores)} exercises complete")
     if args.json:

@@ -53,6 +53,20 @@ def _used(import_line: str, funcs: list[str]) -> bool:
     return any(re.search(rf"\b{re.escape(n)}\b", f) for n in names for f in funcs)
 
 
+def _own_names(modules: list[str], funcs: list[str]) -> list[str]:
+    """Imports of the classes and aliases a stub names that its reference module defines."""
+    lines = []
+    for m in modules:
+        mod = sys.modules[m]
+        names = [n for n, v in vars(mod).items()
+                 if not n.startswith("_") and getattr(v, "__module__", m) == m and not inspect.ismodule(v)
+                 and (inspect.isclass(v) or isinstance(v, type) or n[0].isupper())
+                 and any(re.search(rf"\b{n}\b", f.split('"""')[0]) for f in funcs)]
+        if names:
+            lines.append(f"from {m} import {', '.join(sorted(names))}")
+    return lines
+
+
 def _header_and_doc(ex: ep.Exercise) -> tuple[str, str | None]:
     """The reference's ``def`` line(s) verbatim, and its docstring."""
     fn = ep.reference_function(ex)
@@ -131,6 +145,7 @@ def file_source(chapter: str, stub_file: str, exercises: list[ep.Exercise], hint
     else:
         funcs = [stub_source(ex, hints.get(ex.id, "")) for ex in exercises]
         imports = [line for m in modules for line in _module_imports(m) if _used(line, funcs)]
+        imports += _own_names(modules, funcs)
     for ex in exercises:
         imports += extra_imports.get(ex.id, [])
     head += list(dict.fromkeys(imports))
