@@ -307,13 +307,8 @@ class Scheduler:
         self.waiting.add(request)
 
     def _check_schedulable(self, request: Request) -> None:
-        # A request that alone does not fit in the cache would, once it ran out of blocks,
-        # preempt everything and then itself, forever: refuse it up front.
-        blocks = cdiv(request.max_num_kv_tokens, self.block_size)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
-                f"needs {blocks} KV blocks but the cache has {self.block_manager.num_blocks}")
+        """Raise ValueError if ``request`` could never run to its end under this scheduler."""
+        self._check_fits_in_cache(request)
         # Without chunking a prompt goes through in one step, and so does the recompute of a
         # preempted request (its prompt plus everything it generated): both must fit the budget.
         if request.num_prompt_tokens > self.max_num_batched_tokens:
@@ -326,6 +321,15 @@ class Scheduler:
                 f"exceeds max_num_batched_tokens={self.max_num_batched_tokens}: after a "
                 "preemption it could not be recomputed in one step; lower max_tokens, raise the "
                 "budget, or enable chunked prefill (chapter 06)")
+
+    def _check_fits_in_cache(self, request: Request) -> None:
+        # A request that alone does not fit in the cache would, once it ran out of blocks,
+        # preempt everything and then itself, forever: refuse it up front.
+        blocks = cdiv(request.max_num_kv_tokens, self.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
+                f"needs {blocks} KV blocks but the cache has {self.block_manager.num_blocks}")
 
     def has_requests(self) -> bool:
         return bool(self.waiting) or bool(self.running)
