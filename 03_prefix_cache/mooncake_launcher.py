@@ -99,11 +99,14 @@ class MooncakeMaster(_Service):
     """``mooncake_master`` with its HTTP metadata server, on free loopback ports.
 
     Use as a context manager, or ``start()`` / ``stop()``. ``master_addr`` and ``metadata_url``
-    are what :class:`global_kv_pool.MooncakeKVPool` needs.
+    are what :class:`global_kv_pool.MooncakeKVPool` needs. ``extra_args`` go to the binary, e.g.
+    ``["--default_kv_lease_ttl=100"]``: a key that was read or checked is leased (undeletable,
+    unevictable) for this long, 10 s by default.
     """
 
-    def __init__(self):
+    def __init__(self, extra_args: list[str] = ()):
         super().__init__()
+        self.extra_args = list(extra_args)
         self.rpc_port = self.http_port = self.metrics_port = 0
 
     @property
@@ -121,7 +124,7 @@ class MooncakeMaster(_Service):
         self.rpc_port, self.http_port, self.metrics_port = _free_port(), _free_port(), _free_port()
         self._spawn([binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
                      "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                     f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}"])
+                     f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}", *self.extra_args])
         try:
             _wait_for_port(self.rpc_port, self.proc, "mooncake_master", timeout)
             _wait_for_port(self.http_port, self.proc, "mooncake_master's metadata server", timeout)
