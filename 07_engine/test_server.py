@@ -37,7 +37,7 @@ def base_url():
     port = free_port()
     log = tempfile.TemporaryFile(mode="w+")
     cmd = [sys.executable, "-m", "vllm_from_scratch.serve", "--port", str(port),
-           "--max-num-seqs", "8", "--max-model-len", str(MAX_MODEL_LEN),
+           "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
            "--num-kvcache-blocks", "160", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -132,10 +132,10 @@ def test_dozens_of_concurrent_requests_are_all_answered(base_url):
             return await asyncio.gather(*[
                 aclient.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=4,
                                            temperature=0, extra_body={"ignore_eos": True})
-                for i in range(32)])
+                for i in range(24)])
 
     results = asyncio.run(run())
-    assert len(results) == 32
+    assert len(results) == 24
     assert all(r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length" for r in results)
     assert metric(base_url, "vllm:num_requests_running") == 0
 
@@ -183,6 +183,18 @@ def test_disconnect_mid_stream_aborts_and_frees(base_url):
     assert metric(base_url, "vllm:kv_cache_usage_perc") == 0
     assert _abort_count(base_url) == aborted_before + 1
     assert all(c["choices"][0]["finish_reason"] is None for c in received)
+
+
+def test_client_timeout_on_a_non_streamed_request_aborts_it(base_url):
+    aborted_before = _abort_count(base_url)
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/completions", json=body, timeout=1.5)
+    deadline = time.time() + 20
+    while time.time() < deadline and metric(base_url, "vllm:num_requests_running") != 0:
+        time.sleep(0.1)
+    assert metric(base_url, "vllm:num_requests_running") == 0
+    assert _abort_count(base_url) == aborted_before + 1
 
 
 def _abort_count(base_url: str) -> float:
