@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, help="also write the scores, test by test, as JSON")
     args = parser.parse_args(argv)
     scores = grade(args.impl, args.exercises_dir.resolve() if args.exercises_dir else None, args.chapter)
-    print(f"{'exercise':<9} {'target':<52} {'passed':>8}  note")
+    print(f"{'exercise':<9} {'target':<66} {'passed':>8}  note")
     for s in scores:
         note = "not attempted" if s.not_attempted else ("" if s.passed == s.total else "incomplete")
         print(f"{s.id:<9} {s.target:<66} {s.passed:>3}/{s.total:<4}  {note}")

@@ -1,0 +1,85 @@
+"""Exercises 05.2, 05.4, 05.5 of 05_spec_decode: your versions of spec_decode.py.
+
+Replace each `raise NotImplementedError(...)` with your code, then run
+`pytest 05_spec_decode/ --impl=student` (or `--exercise ID` for one exercise). The tests are
+the chapter's own; see exercises/README.md for how your function is put in place.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+import torch
+from spec_decode import LogitsModel, RejectionNoise
+from spec_decode import PLACEHOLDER_TOKEN_ID, sample_rejection_noise, validate_rejection_inputs
+from spec_decode import PLACEHOLDER_TOKEN_ID
+from spec_decode import probs_from_logits, rejection_sample
+
+
+def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+                     target_probs: torch.Tensor, generator: torch.Generator | None = None,
+                     *, noise: RejectionNoise | None = None) -> torch.Tensor:
+    """Verify K drafts per request so that the emitted tokens follow ``target_probs`` exactly.
+
+    Args:
+        draft_token_ids: ``[B, K]`` long; a request with fewer drafts pads with -1 at the end.
+        draft_probs: ``[B, K, V]``, the distribution each draft was sampled from; ``None`` for
+            deterministic drafts (one-hot, e.g. n-gram or greedy drafts).
+        target_probs: ``[B, K+1, V]``, the target's distribution at each draft position plus the
+            one after the last draft.
+        generator: torch generator for reproducible sampling.
+        noise: precomputed random numbers (overrides ``generator``); see
+            :func:`sample_rejection_noise`.
+
+    Returns:
+        ``[B, K+1]`` long: the accepted drafts, then the recovered (after a rejection) or bonus
+        (all accepted) token, then -1.
+
+    Hint: Accept draft j while u * q(x_j) < p(x_j) (a cumulative product finds the first
+    rejection); at the first rejection sample from normalize(max(p - q, 0)), after K acceptances
+    the bonus token from p[K]; -1 after that. validate_rejection_inputs and
+    sample_rejection_noise do the checking and the randomness (so the Triton kernel can share
+    it).
+
+    Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.2
+    """
+    raise NotImplementedError("Exercise 05.2: implement rejection_sample — see 05_spec_decode/README.md#exercises")
+
+
+def rejection_sampling_batched(target_sampled: torch.Tensor, draft_tokens: torch.Tensor,
+                               cu_num_logits: torch.Tensor, num_speculative_steps: int,
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification over vLLM's flattened layout (the seed's listing, vectorised).
+
+    Request r owns flat positions ``cu_num_logits[r] : cu_num_logits[r+1]`` (its drafts plus
+    one). ``target_sampled[i]`` is the target's token at position i; ``draft_tokens`` is the
+    input ids, so the draft checked against ``target_sampled[i]`` is ``draft_tokens[i + 1]``.
+    This is exact-match verification: it keeps the target distribution only when the target
+    tokens are greedy (or the drafts are one-hot, see :func:`rejection_sample`).
+
+    Returns ``(sampled [num_reqs, num_speculative_steps + 1] with -1 padding, num_sampled)``.
+
+    Hint: Request r owns flat positions cu_num_logits[r]:cu_num_logits[r+1]; the draft that
+    position i verifies is draft_tokens[i + 1]; keep target tokens up to and including the first
+    mismatch. Vectorise with a [num_reqs, k + 1] index grid.
+
+    Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.4
+    """
+    raise NotImplementedError("Exercise 05.4: implement rejection_sampling_batched — see 05_spec_decode/README.md#exercises")
+
+
+def verify_and_sample(target_model: LogitsModel, context_ids: Sequence[int],
+                      draft_tokens: Sequence[int], draft_probs: torch.Tensor | None = None,
+                      temperature: float = 0.0, generator: torch.Generator | None = None,
+                      ) -> tuple[list[int], int]:
+    """One target forward over context + drafts, then rejection sampling.
+
+    Returns ``(emitted_tokens, num_accepted)``: the accepted drafts followed by one recovered or
+    bonus token, so ``len(emitted_tokens) == num_accepted + 1`` (the seed dropped the bonus).
+
+    Hint: Ask target_model.get_logits for the last k + 1 positions of context + drafts, turn
+    them into probabilities (probs_from_logits), call rejection_sample, keep the tokens that are
+    not -1.
+
+    Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.5
+    """
+    raise NotImplementedError("Exercise 05.5: implement verify_and_sample — see 05_spec_decode/README.md#exercises")
