@@ -166,7 +166,8 @@ class CUDAGraphRunner:
         self.seq_lens_k[:bs].fill_(1)
         self.seq_lens_k[:n] = attn_metadata.seq_lens_k
         self.block_tables[:n, :width] = attn_metadata.block_tables
-        # Columns past this batch's width may hold an earlier batch's block ids: real block ids,
-        # so reading them is safe, and the context lengths mask them out.
+        # Clear what an earlier, wider batch left past this width: the context lengths mask those
+        # columns anyway, but this way a replay depends on this batch alone.
+        self.block_tables[:n, width:] = 0
         self.graphs[bs].replay()
         return self.hidden_states[:n]

@@ -71,6 +71,10 @@ def _init_process_groups(rank: int, world_size: int, store: dist.Store,
     """Join the default (compute) group and create the gloo control group; return the latter."""
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(rank)
+    else:
+        # Every rank would otherwise start one thread per core: N ranks on C cores would run
+        # N*C threads that preempt each other between every all-reduce.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size,
                             timeout=COMPUTE_TIMEOUT)
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
@@ -167,6 +171,7 @@ class _GroupState:
         self.procs = procs
         self.control: dist.ProcessGroup | None = None
         self.closed = False
+        self.num_threads = torch.get_num_threads()  # rank 0's share is given back at shutdown
 
 
 def _shutdown(state: _GroupState, join_timeout_s: float = 10.0) -> None:
@@ -190,6 +195,7 @@ def _shutdown(state: _GroupState, join_timeout_s: float = 10.0) -> None:
             p.join()
     if dist.is_initialized():
         dist.destroy_process_group()
+    torch.set_num_threads(state.num_threads)
 
 
 class LocalExecutor:

@@ -1,0 +1,171 @@
+"""Decode CUDA graphs: captured sizes, padding, and graph output equal to eager output.
+
+On the CPU the graphs are replaced by ``_EagerReplay`` (same static buffers, same padding, no
+capture), which checks everything around the graph; the ``cuda``-marked tests capture real
+CUDA graphs and skip without a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from block_manager import BlockManager
+from sequence import Sequence
+from vllm_from_scratch.config import EngineConfig
+from vllm_from_scratch.cuda_graph import CUDAGraphRunner, capture_batch_sizes
+from vllm_from_scratch.layers.attention import AttentionMetadata
+from vllm_from_scratch.model_runner import ModelRunner
+
+BLOCK = 8
+
+
+@pytest.mark.parametrize("max_num_seqs,expected", [
+    (1, [1]),
+    (3, [1, 2, 3]),
+    (10, [1, 2, 4, 8, 10]),  # nano-vllm would stop at 8 and fail on a batch of 9
+    (48, [1, 2, 4, 8, 16, 32, 48]),
+    (256, [1, 2, 4, 8] + list(range(16, 257, 16))),
+    (1000, [1, 2, 4, 8] + list(range(16, 513, 16))),  # capped at 512
+])
+def test_capture_batch_sizes(max_num_seqs, expected):
+    assert capture_batch_sizes(max_num_seqs) == expected
+
+
+def test_capture_batch_sizes_rejects_bad_input():
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        capture_batch_sizes(0)
+
+
+def test_cuda_graph_runner_needs_cuda_when_capturing():
+    with pytest.raises(ValueError, match="device"):
+        CUDAGraphRunner(lambda *a: None, 4, 64, BLOCK, 8, torch.float32, "cpu", use_cuda_graph=True)
+
+
+class RecordingModel(torch.nn.Module):
+    """Returns a function of every input row and remembers what the graph fed it."""
+
+    def forward(self, input_ids, positions, md: AttentionMetadata):
+        self.seen = dict(input_ids=input_ids.clone(), slot_mapping=md.slot_mapping.clone(),
+                         seq_lens_k=md.seq_lens_k.clone(), block_tables=md.block_tables.clone(),
+                         cu_seqlens_q=md.cu_seqlens_q.clone(), is_decode=md.is_decode)
+        row = input_ids * 1000 + positions * 10 + md.seq_lens_k + md.block_tables.sum(-1)
+        return row.float().unsqueeze(-1).expand(-1, 4)
+
+
+def _decode_metadata(n: int, width: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    g = torch.Generator().manual_seed(n)
+    ids, pos = torch.randint(0, 100, (n,), generator=g), torch.randint(0, 30, (n,), generator=g)
+    md = AttentionMetadata(slot_mapping=torch.randint(0, 200, (n,), generator=g),
+                           cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32),
+                           seq_lens_k=(pos + 1).int(), block_tables=torch.randint(0, 25, (n, width), generator=g).int(),
+                           max_seqlen_q=1, max_seqlen_k=int(pos.max()) + 1, is_decode=True)
+    return ids, pos, md
+
+
+def test_replay_pads_to_the_next_captured_size():
+    model = RecordingModel()
+    runner = CUDAGraphRunner(model, max_num_seqs=10, max_model_len=64, block_size=BLOCK, hidden_size=4,
+                             dtype=torch.float32, device="cpu", use_cuda_graph=False)
+    runner.capture()
+    assert sorted(runner.graphs) == [1, 2, 4, 8, 10]
+    for n, width, bs in [(5, 3, 8), (9, 8, 10), (1, 1, 1), (5, 2, 8)]:
+        ids, pos, md = _decode_metadata(n, width)
+        out = runner.run(ids, pos, md)
+        expected = (ids * 1000 + pos * 10 + md.seq_lens_k + md.block_tables.sum(-1)).float()
+        assert out.shape == (n, 4)
+        torch.testing.assert_close(out[:, 0], expected, rtol=0, atol=0)
+        seen = model.seen
+        assert seen["input_ids"].shape == (bs,) and seen["is_decode"]
+        torch.testing.assert_close(seen["cu_seqlens_q"], torch.arange(bs + 1, dtype=torch.int32))
+        # Padding rows store nothing and attend to one token; real rows are passed through.
+        assert seen["slot_mapping"][n:].eq(-1).all() and seen["seq_lens_k"][n:].eq(1).all()
+        torch.testing.assert_close(seen["slot_mapping"][:n], md.slot_mapping)
+        torch.testing.assert_close(seen["block_tables"][:n, :width], md.block_tables)
+        assert seen["block_tables"].shape[1] == runner.max_num_blocks == 64 // BLOCK
+
+
+def test_can_run_only_pure_decode_batches_that_fit():
+    runner = CUDAGraphRunner(RecordingModel(), 4, 64, BLOCK, 4, torch.float32, "cpu", use_cuda_graph=False)
+    ids, pos, md = _decode_metadata(3, 2)
+    assert not runner.can_run(ids, md)  # nothing captured yet
+    runner.capture()
+    assert runner.can_run(ids, md)
+    big_ids, _, big_md = _decode_metadata(5, 2)
+    assert not runner.can_run(big_ids, big_md)  # above max_num_seqs
+    md.is_decode = False
+    assert not runner.can_run(ids, md)
+    with pytest.raises(ValueError, match="n must be"):
+        runner.padded_batch_size(5)
+
+
+# ---- the real model: graph replay equals the eager forward ----------------------------------
+
+def _prefilled_runner(model_dir: str, device: str, num_seqs: int):
+    config = EngineConfig(model_dir=model_dir, device=device, dtype="float32", kvcache_block_size=BLOCK,
+                          num_kvcache_blocks=64, max_num_seqs=10, max_model_len=128, enforce_eager=True)
+    runner = ModelRunner(config)
+    bm = BlockManager(runner.num_kvcache_blocks, BLOCK)
+    g = torch.Generator().manual_seed(0)
+    seqs = [Sequence(torch.randint(3, 512, (int(n),), generator=g).tolist(), BLOCK)
+            for n in torch.randint(3, 30, (num_seqs,), generator=g)]
+    for s in seqs:
+        assert bm.allocate_slots(s, s.num_tokens)
+    with torch.inference_mode():
+        inp = runner.prepare_inputs(seqs, [s.num_tokens for s in seqs])
+        runner.model(inp.input_ids, inp.positions, inp.attn_metadata)
+    for s in seqs:  # one decode token each, crossing a block boundary for some
+        s.num_computed_tokens = s.num_tokens
+        s.append_token(int(torch.randint(3, 512, (1,), generator=g)))
+        assert bm.allocate_slots(s, 1)
+    return runner, seqs
+
+
+def _graph_equals_eager(model_dir: str, device: str, use_cuda_graph: bool, num_seqs: int) -> None:
+    runner, seqs = _prefilled_runner(model_dir, device, num_seqs)
+    cfg = runner.config
+    graphs = CUDAGraphRunner(runner.model, cfg.max_num_seqs, cfg.max_model_len, BLOCK, cfg.hf_config.hidden_size,
+                             cfg.torch_dtype, runner.device, use_cuda_graph=use_cuda_graph)
+    kv_before_capture = runner.kv_cache.clone()
+    graphs.capture()
+    assert torch.equal(runner.kv_cache, kv_before_capture), "capture wrote into the KV cache"
+    with torch.inference_mode():
+        inp = runner.prepare_inputs(seqs, [1] * len(seqs))
+        assert graphs.can_run(inp.input_ids, inp.attn_metadata)
+        eager = runner.model(inp.input_ids, inp.positions, inp.attn_metadata).clone()
+        kv_eager = runner.kv_cache.clone()
+        runner.kv_cache.copy_(kv_before_capture)
+        replayed = graphs.run(inp.input_ids, inp.positions, inp.attn_metadata).clone()
+    torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
+    # The replay wrote the same new K/V into the same slots, and the padded rows wrote nothing.
+    torch.testing.assert_close(runner.kv_cache, kv_eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_seqs", [5, 9])
+def test_padded_replay_equals_eager_on_a_real_model_cpu(tiny_llama_dir, num_seqs):
+    _graph_equals_eager(tiny_llama_dir, "cpu", use_cuda_graph=False, num_seqs=num_seqs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_seqs", [1, 5, 9])
+def test_cuda_graph_equals_eager(tiny_llama_dir, tiny_qwen3_dir, num_seqs):
+    for model_dir in (tiny_llama_dir, tiny_qwen3_dir):
+        _graph_equals_eager(model_dir, "cuda", use_cuda_graph=True, num_seqs=num_seqs)
+
+
+@pytest.mark.cuda
+def test_llm_with_cuda_graphs_generates_what_eager_does(tiny_llama_dir):
+    from vllm_from_scratch import LLM, SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist() for n in (5, 17, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(tiny_llama_dir, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=8,
+                  kvcache_block_size=16, num_kvcache_blocks=64)
+        runner = llm.llm_engine.executor.runner
+        assert (runner.graph_runner is None) == eager
+        outs[eager] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
+    assert outs[False] == outs[True]
