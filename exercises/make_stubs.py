@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import inspect
 import re
 import sys
@@ -37,7 +38,7 @@ def stub_error(ex: ep.Exercise) -> str:
 
 def _module_imports(module_name: str) -> list[str]:
     """The reference module's top-level import statements (no __future__), as written."""
-    mod = __import__(module_name)
+    mod = importlib.import_module(module_name)
     source = inspect.getsource(mod)
     lines = []
     for node in ast.parse(source).body:
@@ -129,7 +130,8 @@ def file_source(chapter: str, stub_file: str, exercises: list[ep.Exercise], hint
     modules = list(dict.fromkeys(ex.module_name for ex in exercises))
     ids = ", ".join(ex.id for ex in exercises)
     plural = "s" if len(exercises) > 1 else ""
-    head = [f'"""Exercise{plural} {ids} of {chapter}: your versions of {", ".join(m + ".py" for m in modules)}.',
+    files = ", ".join(m.replace(".", "/") + ".py" for m in modules)
+    head = [f'"""Exercise{plural} {ids} of {chapter}: your versions of {files}.',
             "",
             "Replace each `raise NotImplementedError(...)` with your code, then run",
             f"`pytest {chapter}/ --impl=student` (or `--exercise ID` for one exercise). The tests are",

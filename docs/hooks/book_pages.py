@@ -19,6 +19,7 @@ on it. Registered in ``mkdocs.yml`` under ``hooks:``.
 from __future__ import annotations
 
 import ast
+import json
 import posixpath
 import re
 import tomllib
@@ -218,6 +219,22 @@ def engine_imports_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
+def figures_markdown() -> str:
+    """Every figure docs/make_figures.py drew, with its caption and the command behind it."""
+    manifest = ROOT / "docs" / "figures" / "figures.json"
+    if not manifest.exists():
+        return "_No figure yet: run `python docs/make_figures.py`._\n"
+    parts = []
+    for fig in json.loads(manifest.read_text(encoding="utf-8")):
+        if not (ROOT / "docs" / fig["image"]).exists():
+            continue
+        where = f"[{fig['chapter']}]({fig['chapter']}/README.md)" if fig["chapter"] in chapters() else fig["chapter"]
+        parts.append(f"### {fig['title']}\n\n![{fig['title']}]({fig['image']})\n\n{fig['caption']}\n\n"
+                     f"Chapter {where}. Produced by `{fig['command']}` on {fig['machine']} "
+                     f"({fig['date'][:10]}); raw output in `docs/data/{fig['name']}.txt`.\n")
+    return "\n".join(parts)
+
+
 # ---------------------------------------------------------------------------- MkDocs events
 _assets: dict[str, str] = {}
 
@@ -248,16 +265,20 @@ def on_files(files, config):
     return files
 
 
+GENERATED = {  # a marker alone on its line -> what replaces it
+    "<!-- book:chapter-sizes -->": lambda: chapter_sizes_markdown(),
+    "<!-- book:engine-imports -->": lambda: engine_imports_markdown(),
+    "<!-- book:figures -->": lambda: figures_markdown(),
+    "<!-- book:chapter-results -->": lambda: chapter_results_markdown(_pages(), {}),
+    "<!-- book:exercises -->": lambda: exercises_markdown(),
+}
+
+
 def on_page_markdown(markdown, page, config, files):
-    pages = _pages()
-    if "<!-- book:chapter-results -->" in markdown:
-        markdown = markdown.replace("<!-- book:chapter-results -->", chapter_results_markdown(pages, {}))
-    if "<!-- book:chapter-sizes -->" in markdown:
-        markdown = markdown.replace("<!-- book:chapter-sizes -->", chapter_sizes_markdown())
-    if "<!-- book:engine-imports -->" in markdown:
-        markdown = markdown.replace("<!-- book:engine-imports -->", engine_imports_markdown())
-    if "<!-- book:exercises -->" in markdown:
-        markdown = markdown.replace("<!-- book:exercises -->", exercises_markdown())
+    for marker, make in GENERATED.items():
+        pattern = re.compile(rf"^{re.escape(marker)}[ \t]*$", re.M)
+        if pattern.search(markdown):
+            markdown = pattern.sub(lambda _: make(), markdown)
     return markdown
 
 
