@@ -1,0 +1,56 @@
+"""The embedded default model (SmolLM2-135M-Instruct) through the engine: a real chat answer,
+stop strings on decoded text, and incremental detokenization of multi-byte characters."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_from_scratch import LLM, SamplingParams, default_model_dir
+from vllm_from_scratch.engine import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(default_model_dir(), dtype="float32", num_kvcache_blocks=64, max_model_len=512)
+
+
+def chat(llm: LLM, question: str) -> str:
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                             add_generation_prompt=True)
+
+
+def test_the_capital_of_france_is_paris(llm):
+    out = llm.generate([chat(llm, "What is the capital of France?")], SamplingParams(temperature=0.0, max_tokens=16),
+                       use_tqdm=False)[0]
+    assert "Paris" in out["text"], out["text"]
+    assert llm.llm_engine.block_manager.all_blocks_free()
+
+
+def test_stop_string_is_cut_from_text_and_stream(llm):
+    engine = llm.llm_engine
+    engine.add_request(chat(llm, "What is the capital of France?"),
+                       SamplingParams(temperature=0.0, max_tokens=16, stop=["Paris"]), request_id="s")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    last = outs[-1]
+    assert last.finished and last.finish_reason == "stop"
+    assert "Paris" not in last.text and last.text.strip()
+    assert "".join(o.new_text for o in outs) == last.text
+    assert engine.block_manager.all_blocks_free()
+
+
+def test_incremental_detokenizer_never_splits_a_character(llm):
+    tok = llm.tokenizer
+    text = "Déjà vu: 東京 🙂 naïve"
+    ids = tok.encode(text)
+    prompt = tok.encode("Say:")
+    detok = IncrementalDetokenizer(tok, prompt)
+    pieces = []
+    for i in range(1, len(ids) + 1):
+        before = detok.text
+        detok.update(prompt + ids[:i])
+        pieces.append(detok.text[len(before):])
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids)
+    assert len([p for p in pieces if p]) < len(ids)  # some tokens were half a character
