@@ -1,4 +1,4 @@
-"""Exercises 03.2, 03.3, 03.4 of 03_prefix_cache: your versions of prefix_block_manager.py.
+"""Exercises 03.2, 03.3a, 03.3b of 03_prefix_cache: your versions of prefix_block_manager.py.
 
 Replace each `raise NotImplementedError(...)` with your code, then run
 `pytest 03_prefix_cache/ --impl=student` (or `--exercise ID` for one exercise). The tests are
@@ -45,9 +45,9 @@ def cache_full_blocks(self, seq: Sequence) -> None:
     the ones this sequence already registered (self._state(seq).num_registered); skip a hash
     another block already holds.
 
-    Checked by: pytest 03_prefix_cache/ --impl=student --exercise 03.3
+    Checked by: pytest 03_prefix_cache/ --impl=student --exercise 03.3a
     """
-    raise NotImplementedError("Exercise 03.3: implement PrefixCachingBlockManager.cache_full_blocks — see 03_prefix_cache/README.md#exercises")
+    raise NotImplementedError("Exercise 03.3a: implement PrefixCachingBlockManager.cache_full_blocks — see 03_prefix_cache/README.md#exercises")
 
 
 def _allocate_block(self) -> Block:
@@ -61,6 +61,6 @@ def _allocate_block(self) -> Block:
     remove that hash from self.cached_block_hash_to_block, clear block_hash and token_ids, and
     count an eviction.
 
-    Checked by: pytest 03_prefix_cache/ --impl=student --exercise 03.4
+    Checked by: pytest 03_prefix_cache/ --impl=student --exercise 03.3b
     """
-    raise NotImplementedError("Exercise 03.4: implement PrefixCachingBlockManager._allocate_block — see 03_prefix_cache/README.md#exercises")
+    raise NotImplementedError("Exercise 03.3b: implement PrefixCachingBlockManager._allocate_block — see 03_prefix_cache/README.md#exercises")

@@ -1,4 +1,4 @@
-"""Exercises 03.1, 03.5 of 03_prefix_cache: your versions of prefix_cache_local.py.
+"""Exercises 03.1, 03.6 of 03_prefix_cache: your versions of prefix_cache_local.py.
 
 Replace each `raise NotImplementedError(...)` with your code, then run
 `pytest 03_prefix_cache/ --impl=student` (or `--exercise ID` for one exercise). The tests are
@@ -43,6 +43,6 @@ def match_prefix(self, token_ids: list[int], extra_keys: tuple | None = None,
 
     Hint: Hash the chain, then walk it while each hash is cached; count queries and hits.
 
-    Checked by: pytest 03_prefix_cache/ --impl=student --exercise 03.5
+    Checked by: pytest 03_prefix_cache/ --impl=student --exercise 03.6
     """
-    raise NotImplementedError("Exercise 03.5: implement PrefixCacheLocal.match_prefix — see 03_prefix_cache/README.md#exercises")
+    raise NotImplementedError("Exercise 03.6: implement PrefixCacheLocal.match_prefix — see 03_prefix_cache/README.md#exercises")
