@@ -81,8 +81,9 @@ def plot(results: dict[str, dict], path: Path, args) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     for (name, r), color in zip(results.items(), ("tab:red", "tab:blue")):
         t = r["d0_times"]
-        ax.plot([x * 1e3 for x in t[1:]], [(b - a) * 1e3 for a, b in zip(t, t[1:])], ".-", color=color,
-                label=f"{name}: gap between d0's tokens")
+        # Each gap is drawn over the interval it spans: a flat line is a wait.
+        ax.step([x * 1e3 for x in t], [(t[1] - t[0]) * 1e3] + [(b - a) * 1e3 for a, b in zip(t, t[1:])],
+                where="pre", color=color, label=f"{name}: gap between d0's tokens")
         ax.axvline(r["long_first"] * 1e3, color=color, ls="--", lw=1,
                    label=f"{name}: long prompt's first token (TTFT {r['ttft'] * 1e3:.0f} ms)")
     ax.axvline(results["no chunking"]["arrival"] * 1e3, color="gray", ls=":", lw=1, label="long prompt arrives")
