@@ -140,6 +140,17 @@ class FailingRunner(EchoRunner):
         super().__init__(rank)
 
 
+class FailingMidCollectiveRunner(EchoRunner):
+    """Rank 0 enters a start-up collective (as ``ModelRunner`` does to agree on the KV cache
+    size) that rank 1, failing first, never joins."""
+
+    def __init__(self, rank: int):
+        if rank == 1:
+            raise ValueError("checkpoint shard missing on rank 1")
+        dist.all_reduce(torch.zeros(1))
+        super().__init__(rank)
+
+
 # ---- process and /dev/shm inspection ---------------------------------------------------------
 
 def _alive(pid: int) -> bool:
@@ -291,11 +302,12 @@ def _new_children(before: set[int]) -> list[int]:
     return [p for p in _descendants(os.getpid()) if p not in before and not is_tracker(p)]
 
 
-def test_a_rank_that_fails_to_start_is_reported_not_waited_for():
+@pytest.mark.parametrize("runner_cls", [FailingRunner, FailingMidCollectiveRunner])
+def test_a_rank_that_fails_to_start_is_reported_not_waited_for(runner_cls):
     before = set(_descendants(os.getpid()))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"(?s)rank 1.*checkpoint shard missing"):
-        TensorParallelExecutor(FailingRunner, world_size=TP)
+        TensorParallelExecutor(runner_cls, world_size=TP)
     assert time.monotonic() - start < 60
     assert _wait_gone(_new_children(before)) == []
     assert not dist.is_initialized()

@@ -80,25 +80,22 @@ def _init_process_groups(rank: int, world_size: int, store: dist.Store,
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
-def _check_startup(control: dist.ProcessGroup, error: str | None) -> None:
-    """Every rank reports whether its runner was built; all raise if any failed.
-
-    Without this, a worker whose model failed to load would leave rank 0 waiting in the first
-    collective of the first forward until the compute timeout.
-    """
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error, group=control)
-    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-    if failed:
-        raise RuntimeError("tensor-parallel start-up failed:\n" +
-                           "\n".join(f"[rank {rank}] {e}" for rank, e in failed))
-
-
 def _build_runner(runner_factory: Callable[[int], Any], rank: int) -> tuple[Any, str | None]:
     try:
         return runner_factory(rank), None
-    except Exception:  # reported to every rank by _check_startup
+    except Exception:
         return None, traceback.format_exc()
+
+
+def _startup_error(store: dist.Store, world_size: int, rank0_error: str) -> RuntimeError:
+    """Rank 0's error plus every worker's traceback that the workers left in the store."""
+    reports = [(0, rank0_error)]
+    for rank in range(1, world_size):
+        key = f"worker_error/{rank}"
+        if store.check([key]):
+            reports.append((rank, store.get(key).decode()))
+    return RuntimeError("tensor-parallel start-up failed:\n" +
+                        "\n".join(f"[rank {rank}] {error}" for rank, error in reports))
 
 
 def _exit_with_parent() -> None:
@@ -122,9 +119,16 @@ def _worker_main(runner_factory: Callable[[int], Any], rank: int, world_size: in
                           timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
     store.set(f"worker_up/{rank}", "1")
     control = _init_process_groups(rank, world_size, store, device)
+    runner, error = _build_runner(runner_factory, rank)
+    if error is not None:
+        # Leave the traceback for rank 0 and die now: rank 0 may be inside a collective of its
+        # own runner's start-up, and only a closed connection gets it out of there quickly.
+        store.set(f"worker_error/{rank}", error)
+        sys.stderr.write(error)
+        sys.stderr.flush()
+        os._exit(1)
     try:
-        runner, error = _build_runner(runner_factory, rank)
-        _check_startup(control, error)
+        dist.barrier(group=control)  # tells rank 0 that every runner is built
         while True:
             [message] = _receive(control)
             method, args, kwargs = message
@@ -261,7 +265,13 @@ class TensorParallelExecutor:
             _wait_for_workers(store, procs)
             self._state.control = _init_process_groups(0, world_size, store, device)
             self.runner, error = _build_runner(runner_factory, 0)
-            _check_startup(self._state.control, error)
+            if error is None:
+                try:
+                    dist.barrier(group=self._state.control)
+                except Exception:  # a worker died instead of arriving
+                    error = traceback.format_exc()
+            if error is not None:
+                raise _startup_error(store, world_size, error)
         except BaseException:
             self._state.control = None  # the workers are not listening: terminate, don't ask
             self.shutdown()

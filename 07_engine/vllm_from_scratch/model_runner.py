@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from kv_cache import allocate_kv_cache, build_slot_mapping, bytes_per_block, num_blocks_for_budget
 from vllm_from_scratch.config import EngineConfig
@@ -52,6 +53,7 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.block_size = config.kvcache_block_size
+        self.tp_group = tp_group
         self.model = get_model(config.model_dir, config.torch_dtype, self.device, tp_rank,
                                config.tensor_parallel_size, tp_group, config=config.hf_config)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -96,6 +98,12 @@ class ModelRunner:
     def allocate_kv_cache(self) -> int:
         """Allocate ``[2, layers, blocks, block_size, kv_heads, head_dim]`` and bind it to the layers."""
         num_blocks = self.config.num_kvcache_blocks or self._num_blocks_from_memory()
+        if self.config.tensor_parallel_size > 1:
+            # Rank 0's block manager hands out block ids valid on every rank: take the smallest
+            # cache (GPUs differ in free memory). Before the check below, so all ranks raise alike.
+            count = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.tp_group)
+            num_blocks = int(count.item())
         if num_blocks < 1:
             raise ValueError(f"no room for a single KV block ({self._block_bytes()} bytes); lower max_num_batched_tokens "
                              "or raise gpu_memory_utilization / cpu_kvcache_space_gib")
