@@ -104,9 +104,10 @@ class EngineRequest(Request):
 
     def __getstate__(self) -> dict:
         # Requests are pickled to tensor-parallel workers every step; they only build inputs
-        # from them, so the detokenizer (which holds the whole tokenizer) stays on rank 0.
+        # from them, so what serves sampling and text stays on rank 0: the detokenizer (it
+        # holds the whole tokenizer) and the seeded generator (5 KB of state each).
         state = self.__dict__.copy()
-        state["detokenizer"] = None
+        state["detokenizer"] = state["generator"] = None
         return state
 
 

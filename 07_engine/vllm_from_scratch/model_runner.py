@@ -52,6 +52,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_group=None):
         self.config = config
         self.device = config.torch_device
+        if self.device.type == "cuda" and config.tensor_parallel_size > 1:
+            self.device = torch.device("cuda", tp_rank)  # rank r owns GPU r, whatever "cuda:N" said
         self.block_size = config.kvcache_block_size
         self.tp_group = tp_group
         self.model = get_model(config.model_dir, config.torch_dtype, self.device, tp_rank,
