@@ -66,6 +66,13 @@ def backend_for(device: str | torch.device) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def _usable_cores() -> int:
+    """Cores this process may run on (a container's CPU set, not the host's core count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _init_process_groups(rank: int, world_size: int, store: dist.Store,
                          device: str | torch.device) -> dist.ProcessGroup:
     """Join the default (compute) group and create the gloo control group; return the latter."""
@@ -74,7 +81,7 @@ def _init_process_groups(rank: int, world_size: int, store: dist.Store,
     else:
         # Every rank would otherwise start one thread per core: N ranks on C cores would run
         # N*C threads that preempt each other between every all-reduce.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(max(1, _usable_cores() // world_size))
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size,
                             timeout=COMPUTE_TIMEOUT)
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
