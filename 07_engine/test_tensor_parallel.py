@@ -441,3 +441,9 @@ def test_llm_tp2_greedy_equals_transformers(arch, tiny_llama_dir, tiny_qwen3_dir
         gc.collect()
     assert _wait_gone(pids) == []
     assert not dist.is_initialized()
+
+
+def test_bench_tensor_parallel_help():
+    script = Path(__file__).parent / "bench_tensor_parallel.py"
+    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--tp" in out.stdout
