@@ -19,6 +19,7 @@ def chat(llm: LLM, question: str) -> str:
                                              add_generation_prompt=True)
 
 
+@pytest.mark.slow
 def test_the_capital_of_france_is_paris(llm):
     out = llm.generate([chat(llm, "What is the capital of France?")], SamplingParams(temperature=0.0, max_tokens=16),
                        use_tqdm=False)[0]
