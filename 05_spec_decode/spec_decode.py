@@ -341,3 +341,60 @@ def speculative_decode_step(target_model: LogitsModel, draft_model: LogitsModel 
         "num_emitted": len(tokens),
     }
     return tokens, stats
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters of a speculative generation (vLLM reports the same three)."""
+
+    num_steps: int = 0              # target forwards
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def num_emitted_tokens(self) -> int:
+        return self.num_accepted_tokens + self.num_steps
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.num_emitted_tokens / self.num_steps if self.num_steps else 0.0
+
+
+def speculative_generate(target_model: LogitsModel, proposer: LogitsModel | Proposer | None,
+                         prompt_ids: Sequence[int], max_new_tokens: int,
+                         num_speculative_tokens: int = 4, temperature: float = 0.0,
+                         generator: torch.Generator | None = None,
+                         eos_token_id: int | None = None) -> tuple[list[int], SpecDecodeStats]:
+    """Generate up to ``max_new_tokens`` with :func:`speculative_decode_step`.
+
+    ``proposer=None`` (or ``num_speculative_tokens=0``) is plain decoding through the very same
+    code path, one target forward per token: the fair baseline for timing. Tokens emitted past
+    ``max_new_tokens`` or after ``eos_token_id`` in a step are dropped.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    k = num_speculative_tokens if proposer is not None else 0
+    draft_source = proposer if proposer is not None else _NoDrafts()
+    ctx = list(prompt_ids)
+    out: list[int] = []
+    stats = SpecDecodeStats()
+    while len(out) < max_new_tokens and (eos_token_id is None or eos_token_id not in out):
+        tokens, step = speculative_decode_step(target_model, draft_source, ctx, k, temperature,
+                                               generator)
+        stats.num_steps += 1
+        stats.num_draft_tokens += step["num_draft"]
+        stats.num_accepted_tokens += step["num_accepted"]
+        ctx += tokens
+        out += tokens
+    if eos_token_id is not None and eos_token_id in out:
+        out = out[:out.index(eos_token_id) + 1]
+    return out[:max_new_tokens], stats
+
+
+class _NoDrafts:
+    def propose(self, token_ids_list: Sequence[Sequence[int]], k: int) -> list[list[int]]:
+        return [[] for _ in token_ids_list]

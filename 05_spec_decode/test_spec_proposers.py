@@ -1,0 +1,90 @@
+"""Proposers: n-gram prompt lookup, the cached HF wrapper and the draft-model proposer."""
+
+import pytest
+import torch
+
+from proposers import DraftModelProposer, HFCausalLM, NgramProposer, make_truncated_draft
+from spec_decode import speculative_decode_step
+
+
+def test_ngram_copies_what_followed_the_suffix():
+    assert NgramProposer(1, 2).propose([[1, 2, 3, 4, 1, 2]], 3) == [[3, 4, 1]]
+
+
+def test_ngram_prefers_the_longest_match():
+    # The 1-gram [9] last occurred before 5, the 2-gram [7, 9] before 4.
+    ids = [7, 9, 4, 0, 9, 5, 7, 9]
+    assert NgramProposer(1, 1).propose_one(ids, 1) == [5]
+    assert NgramProposer(1, 2).propose_one(ids, 1) == [4]
+    assert NgramProposer(2, 2).propose_one(ids, 3) == [4, 0, 9]
+
+
+def test_ngram_prefers_the_most_recent_occurrence_and_stops_at_the_end():
+    ids = [3, 1, 3, 2, 3]
+    assert NgramProposer(1, 1).propose_one(ids, 4) == [2, 3]
+
+
+def test_ngram_no_match_and_edge_cases():
+    p = NgramProposer(2, 3)
+    assert p.propose([[1, 2, 3, 4], [5], []], 3) == [[], [], []]
+    assert p.propose_one([1, 2, 1, 2], 0) == []
+    with pytest.raises(ValueError, match="min_n"):
+        NgramProposer(0, 2)
+    with pytest.raises(ValueError, match="max_n"):
+        NgramProposer(3, 2)
+    with pytest.raises(ValueError, match="k"):
+        p.propose_one([1, 2], -1)
+
+
+def test_cached_logits_equal_a_fresh_forward(tiny_llama_dir):
+    lm = HFCausalLM(tiny_llama_dir)
+    ids = [5, 17, 99, 3, 250, 17, 99, 41, 8]
+    fresh = lm.model(torch.tensor([ids])).logits[0].float()
+    assert torch.allclose(lm.get_logits(ids[:6], 2), fresh[4:6], atol=1e-4)
+    # Extends the cache by three tokens, then rolls it back as after a rejected draft.
+    assert torch.allclose(lm.get_logits(ids, 3), fresh[6:9], atol=1e-4)
+    assert torch.allclose(lm.get_logits(ids[:7] + [1], 1), lm.model(
+        torch.tensor([ids[:7] + [1]])).logits[0, -1:].float(), atol=1e-4)
+    assert lm.num_tokens_computed == 6 + 3 + 1
+    with pytest.raises(ValueError, match="num_logits"):
+        lm.get_logits(ids[:2], 3)
+
+
+def test_draft_model_proposer_shapes_and_one_hot_greedy_probs(tiny_llama_dir):
+    proposer = DraftModelProposer(tiny_llama_dir)
+    drafts, probs = proposer.propose([[5, 6, 7], [9, 10, 11, 12, 13]], 3)
+    assert [len(d) for d in drafts] == [3, 3]
+    assert probs.shape == (2, 3, 512)
+    for b in range(2):
+        for j in range(3):
+            assert probs[b, j, drafts[b][j]] == 1.0 and probs[b, j].sum() == 1.0
+    ids, probs2 = proposer.propose_tensors([[5, 6, 7], [9, 10, 11, 12, 13]], 3)
+    assert ids.tolist() == drafts and torch.equal(probs, probs2)
+    with pytest.raises(ValueError, match="token_ids_list"):
+        proposer.propose([[]], 2)
+    with pytest.raises(ValueError, match="temperature"):
+        DraftModelProposer(proposer.lm, temperature=-1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_draft_equal_to_target_accepts_everything(tiny_llama_dir, temperature):
+    target = HFCausalLM(tiny_llama_dir)
+    g = torch.Generator().manual_seed(0)
+    proposer = DraftModelProposer(target.model, temperature=temperature, generator=g)
+    ctx = [5, 17, 99, 3]
+    for _ in range(3):
+        tokens, stats = speculative_decode_step(target, proposer, ctx, 4, temperature, g)
+        assert stats["num_accepted"] == 4 and len(tokens) == 5
+        ctx += tokens
+
+
+def test_truncated_draft_keeps_the_first_layers(tiny_llama_dir, tmp_path):
+    out = make_truncated_draft(tiny_llama_dir, 1, tmp_path / "draft")
+    full = HFCausalLM(tiny_llama_dir).model
+    draft = HFCausalLM(out).model
+    assert draft.config.num_hidden_layers == 1
+    assert torch.equal(draft.model.layers[0].mlp.up_proj.weight, full.model.layers[0].mlp.up_proj.weight)
+    assert torch.equal(draft.lm_head.weight, full.lm_head.weight)
+    assert make_truncated_draft(tiny_llama_dir, 1, tmp_path / "draft") == out   # reused
+    with pytest.raises(ValueError, match="num_layers"):
+        make_truncated_draft(tiny_llama_dir, 3, tmp_path / "bad")
