@@ -1,16 +1,20 @@
-"""What tensor parallelism costs and buys on this machine: a table, not a test.
+"""What tensor parallelism costs and buys on this machine: two tables, not a test.
 
-For each ``tensor_parallel_size`` the same seeded workload runs through ``LLM.generate`` on a
-random Llama-shaped checkpoint (built here, no download), and the executor's control path is
-timed on its own: the round trip of a call that does no work (the broadcast of the pickled
-call plus rank 0's share), and the pickled size of one real decode step's arguments.
+1. The communication alone, with a runner that does nothing else: the round trip of a call
+   that does no work (the pickled broadcast plus rank 0's share) and of one all-reduce of a
+   ``[tokens, hidden]`` activation, the collective every layer pays twice.
+2. The engine: for each ``tensor_parallel_size`` the same seeded workload runs through
+   ``LLM.generate`` on a random Llama-shaped checkpoint (built here, no download), with the
+   pickled size of one real decode step's call.
 
     python 07_engine/bench_tensor_parallel.py --tp 1 2
+    python 07_engine/bench_tensor_parallel.py --comm-only
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
 import tempfile
 import time
@@ -28,6 +32,45 @@ def build_checkpoint(path: str, layers: int, hidden: int, heads: int, kv_heads: 
                          eos_token_id=2, pad_token_id=0)
     LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+def machine() -> str:
+    """Cores, threads and load: on a shared machine the load explains most of the spread."""
+    return (f"{len(os.sched_getaffinity(0))} cores, torch threads {torch.get_num_threads()} (rank 0 before "
+            f"the split), load average {os.getloadavg()[0]:.1f}")
+
+
+class CommRunner:
+    """A runner whose methods are pure communication (every rank builds one)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def noop(self) -> None:
+        return None
+
+    def all_reduce(self, tokens: int, hidden: int) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(torch.ones(tokens, hidden))
+
+
+def time_comm(world_size: int, args) -> dict:
+    from vllm_from_scratch.distributed import TensorParallelExecutor
+
+    executor = TensorParallelExecutor(CommRunner, world_size)
+    row = dict(tp=world_size)
+    for name, call_args in [("noop", ()), ("decode", (args.num_prompts, args.hidden)),
+                            ("prefill", (args.num_prompts * args.prompt_len, args.hidden))]:
+        method = "noop" if name == "noop" else "all_reduce"
+        for _ in range(10):
+            executor.call(method, *call_args)
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            executor.call(method, *call_args)
+        row[name] = (time.perf_counter() - start) / args.calls * 1e6
+    executor.shutdown()
+    return row
 
 
 def run_one(model_dir: str, tp: int, args) -> dict:
@@ -76,16 +119,27 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64, help="prompts are this long or up to half shorter")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--calls", type=int, default=200, help="no-op calls timed for the control round trip")
+    parser.add_argument("--calls", type=int, default=200, help="calls timed per communication measurement")
+    parser.add_argument("--comm-only", action="store_true", help="only the communication table (no engine)")
     args = parser.parse_args()
     from tqdm import tqdm
+
+    comm = [time_comm(tp, args) for tp in tqdm([tp for tp in args.tp if tp > 1], desc="communication")]
+    print(f"\nCommunication alone, gloo on the CPU, mean of {args.calls} calls; {machine()}\n")
+    print(f"| TP | no-op call (µs) | call + all-reduce [{args.num_prompts}, {args.hidden}] (µs) "
+          f"| call + all-reduce [{args.num_prompts * args.prompt_len}, {args.hidden}] (µs) |")
+    print("|---:|---:|---:|---:|")
+    for r in comm:
+        print(f"| {r['tp']} | {r['noop']:.0f} | {r['decode']:.0f} | {r['prefill']:.0f} |")
+    if args.comm_only:
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_checkpoint(tmp, args.layers, args.hidden, args.heads, args.kv_heads, args.vocab)
         rows = [run_one(model_dir, tp, args) for tp in tqdm(args.tp, desc="tensor_parallel_size")]
     print(f"\nLlama {args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, "
           f"vocab {args.vocab}, {args.dtype}; {args.num_prompts} prompts of <= {args.prompt_len} tokens, "
-          f"{args.max_tokens} new tokens each, greedy; {torch.get_num_threads()} CPU threads\n")
+          f"{args.max_tokens} new tokens each, greedy; {machine()}\n")
     print("| TP | start-up (s) | generate (s) | output tok/s | no-op call (µs) | decode-step call (bytes) |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
