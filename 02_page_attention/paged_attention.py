@@ -1,0 +1,144 @@
+"""Attention over a paged KV cache, in plain torch.
+
+A sequence's keys and values are not contiguous: token ``p`` lives in slot ``p % block_size`` of
+physical block ``block_table[p // block_size]`` of ``k_cache``/``v_cache``
+(``[num_blocks, block_size, num_kv_heads, head_dim]`` each, chapter 01). Attention therefore
+starts with a *gather*: index the cache with the block table, and the blocks come back in
+logical order, ready for ordinary attention.
+
+Two entry points, the two shapes of work an engine has:
+
+* :func:`paged_attention_decode` — one new query token per sequence. Every sequence is gathered
+  into one padded batch and attended in a single ``scaled_dot_product_attention`` call, with a
+  mask hiding each sequence's padding. No Python loop over sequences: this is the CPU engine's
+  hot path.
+* :func:`paged_attention_varlen` — any number of new tokens per sequence, packed back to back
+  (``cu_seqlens_q``), with earlier context already in the cache. Query ``i`` of a sequence with
+  ``q_len`` new tokens and ``kv_len`` cached + new tokens sits at absolute position
+  ``kv_len - q_len + i`` and sees the keys at positions up to that one. This serves whole
+  prompts, prompt chunks (chapter 06), prompts after a prefix-cache hit (chapter 03) and
+  speculative verification (chapter 05). Rows with one new token are sent to the decode path in
+  one batch; longer rows are attended one sequence at a time (a prefill is large enough that the
+  loop costs nothing next to its matmuls, and padding a 2,000-token prompt to a batch of decodes
+  would waste far more).
+
+:func:`dense_attention_reference` is the textbook definition the tests compare everything with.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _check_gqa(num_q_heads: int, num_kv_heads: int) -> None:
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads}) for GQA")
+
+
+def dense_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                              scale: float | None = None) -> torch.Tensor:
+    """softmax(q kᵀ · scale) v for one sequence, in float32, the definition itself.
+
+    Args:
+        q: ``[q_len, Hq, D]``, the last ``q_len`` positions of the sequence.
+        k, v: ``[kv_len, Hkv, D]``, every position of the sequence (``kv_len >= q_len``).
+        causal: query ``i`` (absolute position ``kv_len - q_len + i``) sees keys ``<=`` it.
+    """
+    q_len, hq, d = q.shape
+    kv_len, hkv, _ = k.shape
+    _check_gqa(hq, hkv)
+    scale = d ** -0.5 if scale is None else scale
+    group = hq // hkv
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+    if causal:
+        q_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
+        scores = scores.masked_fill(torch.arange(kv_len)[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf).to(q.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Read ``[B, max_len, Hkv, D]`` from a paged cache: blocks come back in logical order.
+
+    Entries of ``block_tables`` past a sequence's blocks may hold anything (padding); they are
+    clamped to a valid index here and hidden by the caller's length mask.
+    """
+    block_size = cache.shape[1]
+    num_blocks = -(-max_len // block_size)
+    table = block_tables[:, :num_blocks].long().clamp(0, cache.shape[0] - 1)
+    gathered = cache[table]  # [B, num_blocks, block_size, Hkv, D]
+    return gathered.flatten(1, 2)[:, :max_len]
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence attending to its whole context in the paged cache.
+
+    Args:
+        q: ``[B, Hq, D]``.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``.
+        block_tables: ``[B, max_blocks]`` int, padded past each sequence's blocks.
+        context_lens: ``[B]`` int, tokens each sequence attends to (the new one included).
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        ``[B, Hq, D]`` in ``q``'s dtype.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
+    _check_gqa(q.shape[1], k_cache.shape[2])
+    max_len = int(context_lens.max())
+    k = gather_kv(k_cache, block_tables, max_len).transpose(1, 2)  # [B, Hkv, L, D]
+    v = gather_kv(v_cache, block_tables, max_len).transpose(1, 2)
+    visible = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=visible[:, None, None, :], scale=scale,
+                                         enable_gqa=True)
+    return out.squeeze(2)
+
+
+def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_tables: torch.Tensor,
+                           scale: float, causal: bool = True) -> torch.Tensor:
+    """Packed new tokens of ``B`` sequences attending to their cached context and to each other.
+
+    Args:
+        q: ``[T, Hq, D]``, the new tokens of every sequence back to back.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, the new tokens already stored.
+        cu_seqlens_q: ``[B+1]`` int, sequence ``b``'s queries are rows ``cu[b]:cu[b+1]`` of ``q``.
+        seq_lens_k: ``[B]`` int, cached + new tokens of each sequence.
+        block_tables: ``[B, max_blocks]`` int.
+        scale: softmax scale.
+        causal: mask keys after each query's absolute position.
+
+    Returns:
+        ``[T, Hq, D]`` in ``q``'s dtype.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    _check_gqa(q.shape[1], k_cache.shape[2])
+    cu = cu_seqlens_q.tolist()
+    kv_lens = seq_lens_k.tolist()
+    q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    if any(ql > kl for ql, kl in zip(q_lens, kv_lens)):
+        raise ValueError("seq_lens_k must be >= each sequence's number of new tokens (cu_seqlens_q)")
+    out = torch.empty_like(q)
+    single = [b for b, ql in enumerate(q_lens) if ql == 1]
+    if single:
+        rows = torch.tensor([cu[b] for b in single], device=q.device)
+        idx = torch.tensor(single, device=block_tables.device)
+        out[rows] = paged_attention_decode(q[rows], k_cache, v_cache, block_tables[idx], seq_lens_k[idx], scale)
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        if q_len <= 1:
+            continue
+        k = gather_kv(k_cache, block_tables[b:b + 1], kv_len)[0].transpose(0, 1)  # [Hkv, kv_len, D]
+        v = gather_kv(v_cache, block_tables[b:b + 1], kv_len)[0].transpose(0, 1)
+        mask = None
+        if causal:
+            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+            mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos
+        qs = q[cu[b]:cu[b + 1]].transpose(0, 1)  # [Hq, q_len, D]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[cu[b]:cu[b + 1]] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,79 @@
+"""The torch paged-attention paths equal dense attention on fresh random inputs."""
+
+import pytest
+import torch
+
+from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def build_paged(kv_lens, num_kv_heads, head_dim, block_size, dtype, seed):
+    """Random K/V per sequence written into shuffled physical blocks; garbage everywhere else."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in kv_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype) * 50
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype) * 50
+    physical = torch.randperm(num_blocks, generator=g).tolist()
+    tables, ks, vs = [], [], []
+    for n, nb in zip(kv_lens, blocks_per_seq):
+        table = [physical.pop() for _ in range(nb)]
+        k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+        for p in range(n):
+            k_cache[table[p // block_size], p % block_size] = k[p]
+            v_cache[table[p // block_size], p % block_size] = v[p]
+        tables.append(table)
+        ks.append(k)
+        vs.append(v)
+    width = max(blocks_per_seq) + 1
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return k_cache, v_cache, block_tables, ks, vs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_decode_matches_dense(dtype, num_q_heads, num_kv_heads):
+    kv_lens, d, bs = [1, 7, 16, 17, 40], 32, 8
+    k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, num_kv_heads, d, bs, dtype, seed=1)
+    q = torch.randn(len(kv_lens), num_q_heads, d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = paged_attention_decode(q, k_cache, v_cache, bt, torch.tensor(kv_lens, dtype=torch.int32), d ** -0.5)
+    for b, n in enumerate(kv_lens):
+        ref = dense_attention_reference(q[b:b + 1], ks[b], vs[b], causal=True, scale=d ** -0.5)
+        torch.testing.assert_close(out[b:b + 1].float(), ref.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_with_cached_context_matches_dense(dtype):
+    # (new tokens, total tokens): a fresh prompt, a chunk after cached context, a decode row,
+    # a prompt that ends exactly on a block boundary, and a one-token prompt.
+    shapes = [(13, 13), (5, 21), (1, 9), (16, 32), (1, 1)]
+    hq, hkv, d, bs = 8, 2, 16, 4
+    kv_lens = [kv for _, kv in shapes]
+    k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, hkv, d, bs, dtype, seed=3)
+    q_lens = [ql for ql, _ in shapes]
+    q = torch.randn(sum(q_lens), hq, d, generator=torch.Generator().manual_seed(4)).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    out = paged_attention_varlen(q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), bt, d ** -0.5)
+    for b in range(len(shapes)):
+        ref = dense_attention_reference(q[cu[b]:cu[b + 1]], ks[b], vs[b], causal=True, scale=d ** -0.5)
+        torch.testing.assert_close(out[cu[b]:cu[b + 1]].float(), ref.float(), **TOL[dtype])
+
+
+def test_varlen_without_causal_mask_sees_every_key():
+    hq, hkv, d, bs = 2, 2, 8, 4
+    k_cache, v_cache, bt, ks, vs = build_paged([6], hkv, d, bs, torch.float32, seed=5)
+    q = torch.randn(6, hq, d)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    out = paged_attention_varlen(q, k_cache, v_cache, cu, torch.tensor([6], dtype=torch.int32), bt, 0.5, causal=False)
+    torch.testing.assert_close(out, dense_attention_reference(q, ks[0], vs[0], causal=False, scale=0.5))
+
+
+def test_bad_shapes_raise_value_error():
+    k_cache = torch.zeros(4, 4, 3, 8)
+    bt = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="kv heads"):
+        paged_attention_decode(torch.zeros(1, 4, 8), k_cache, k_cache, bt, torch.tensor([1]), 1.0)
+    with pytest.raises(ValueError, match="seq_lens_k"):
+        paged_attention_varlen(torch.zeros(3, 3, 8), k_cache, k_cache, torch.tensor([0, 3]), torch.tensor([2]), bt, 1.0)
