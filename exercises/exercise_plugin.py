@@ -214,6 +214,14 @@ class Swap:
         self._undo.clear()
 
 
+def _unloadable(ex: Exercise, exc: Exception):
+    """Stands in for a stub that cannot be imported: every call says why."""
+    def broken(*args, **kwargs):
+        raise ImportError(f"Exercise {ex.id}: cannot load your {ex.stub} from "
+                          f"{ex.chapter}/: {type(exc).__name__}: {exc}") from exc
+    return broken
+
+
 # ---------------------------------------------------------------------------- pytest hooks
 def pytest_addoption(parser):
     group = parser.getgroup("vfs-exercises", "classroom exercises (exercises/README.md)")
@@ -245,7 +253,10 @@ class ExercisePlugin:
         """The student's function for ``ex``, imported on first use: a chapter that is broken or
         still being written never stops another chapter's tests."""
         if ex.id not in self._stubs:
-            self._stubs[ex.id] = load_stub(ex, self.exercises_dir)
+            try:
+                self._stubs[ex.id] = load_stub(ex, self.exercises_dir)
+            except Exception as exc:  # a missing file or a student's syntax error fails the test, not the run
+                self._stubs[ex.id] = _unloadable(ex, exc)
         return self._stubs[ex.id]
 
     def exercises_for(self, nodeid: str) -> list[Exercise]:

@@ -58,11 +58,16 @@ def _nodeid(case: ET.Element) -> str:
 def run_chapter(chapter: str, exercises: list[ep.Exercise], impl: str, exercises_dir: Path | None,
                 timeout: float = 600) -> dict[str, TestResult]:
     """Run ``chapter``'s exercise tests once; results keyed by pytest node id."""
-    node_ids = list(dict.fromkeys(t for ex in exercises for t in ex.tests))
+    # Test files plus --exercise (which deselects every other test), not node ids: pytest gives up
+    # on the whole run when one named node cannot be collected.
+    files = list(dict.fromkeys(t.split("::")[0] for ex in exercises for t in ex.tests))
+    selected = ",".join(ex.id for ex in exercises)
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", *node_ids, f"--impl={impl}", "-q", "-p", "no:cacheprovider",
-               "-o", "junit_family=xunit1", f"--junitxml={report}"]
+        cmd = [sys.executable, "-m", "pytest", *files, f"--exercise={selected}", f"--impl={impl}",
+               "-q", "-p", "no:cacheprovider",
+               "-o", "junit_family=xunit1", f"--junitxml={report}",
+               "--continue-on-collection-errors"]  # a broken test file must not hide the others
         if exercises_dir is not None:
             cmd.append(f"--exercises-dir={exercises_dir}")
         proc = subprocess.run(cmd, cwd=ep.ROOT, capture_output=True, text=True, timeout=timeout)
@@ -118,7 +123,8 @@ def main(argv=None) -> int:
     scores = grade(args.impl, args.exercises_dir.resolve() if args.exercises_dir else None, args.chapter)
     print(f"{'exercise':<9} {'target':<66} {'passed':>8}  note")
     for s in scores:
-        note = "not attempted" if s.not_attempted else ("" if s.passed == s.total else "incomplete")
+        note = ("not run: its tests failed to collect" if s.total == 0 else "not attempted" if s.not_attempted
+                else "" if s.passed == s.total else "incomplete")
         print(f"{s.id:<9} {s.target:<66} {s.passed:>3}/{s.total:<4}  {note}")
     full = sum(s.passed == s.total > 0 for s in scores)
     print(f"\n{full}/{len(scores)} exercises complete")
