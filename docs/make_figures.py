@@ -103,7 +103,7 @@ def _bars(ax: plt.Axes, labels: list[str], series: dict[str, list[float]], ylabe
     for i, (name, values) in enumerate(series.items()):
         xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))]
         bars = ax.bar(xs, values, width, label=name)
-        ax.bar_label(bars, fmt="%.3g", fontsize=7)
+        ax.bar_label(bars, fmt=lambda v: f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}", fontsize=7)
     ax.set_xticks(range(len(labels)), [textwrap.fill(label, 14) for label in labels], fontsize=8)
     ax.set_ylabel(ylabel)
     if log:
@@ -136,6 +136,13 @@ def plot_engine_throughput(output: str, ax: plt.Axes) -> None:
     _bars(ax, labels, {value_col: [number(row[value_col]) for row in table]}, "output tokens / s")
 
 
+def plot_chunked_prefill(output: str, ax: plt.Axes) -> None:
+    table = markdown_tables(output)[0]
+    metrics = ["long prompt TTFT ms", "decode ITL p50 ms", "decode ITL p99 ms", "decode ITL max ms"]
+    series = {row["mode"]: [number(row[m]) for m in metrics] for row in table}
+    _bars(ax, [m.replace(" ms", "") for m in metrics], series, "wall ms (log, lower is better)", log=True)
+
+
 RECIPES = [
     Recipe("scheduler_policies", "04_scheduler",
            "Two-phase (vLLM V1) vs prefill-first (nano-vllm) scheduling",
@@ -148,6 +155,12 @@ RECIPES = [
            "One SmolLM2-135M KV block (360 KiB bf16) per operation, Mooncake over loopback TCP with "
            "a master and a pool-holding client started by the benchmark. Log scale.",
            ["03_prefix_cache/bench_kv_pool.py", "--repeat", "100"], plot_kv_pool),
+    Recipe("chunked_prefill", "06_chunked_prefill",
+           "Chunked prefill: decodes keep their pace while a long prompt arrives",
+           "Four requests decoding on chapter 06's toy transformer when a 2,048-token prompt "
+           "arrives; without chunking it runs in one step, with chunking in 256-token pieces "
+           "beside the decodes. Wall-clock medians of 3 runs, 1 torch thread. Log scale.",
+           ["06_chunked_prefill/bench_chunked_prefill.py", "--plot", ""], plot_chunked_prefill),
     Recipe("engine_throughput", "07_engine",
            "The engine vs transformers' generate on the default model",
            "SmolLM2-135M-Instruct on the CPU, the same seeded workload for both (ignore_eos), "
