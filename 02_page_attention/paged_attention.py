@@ -73,7 +73,8 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> 
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           max_len: int | None = None) -> torch.Tensor:
     """One query token per sequence attending to its whole context in the paged cache.
 
     Args:
@@ -82,6 +83,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables: ``[B, max_blocks]`` int, padded past each sequence's blocks.
         context_lens: ``[B]`` int, tokens each sequence attends to (the new one included).
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        max_len: any upper bound of ``context_lens`` known on the host; ``None`` reads the
+            maximum from ``context_lens``, a device-to-host sync that a CUDA graph cannot
+            capture (chapter 07's graphs pass ``max_model_len``).
 
     Returns:
         ``[B, Hq, D]`` in ``q``'s dtype.
@@ -89,7 +93,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
     _check_gqa(q.shape[1], k_cache.shape[2])
-    max_len = int(context_lens.max())
+    if max_len is None:
+        max_len = int(context_lens.max())
     k = gather_kv(k_cache, block_tables, max_len).transpose(1, 2)  # [B, Hkv, L, D]
     v = gather_kv(v_cache, block_tables, max_len).transpose(1, 2)
     visible = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)

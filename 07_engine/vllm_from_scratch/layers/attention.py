@@ -67,7 +67,8 @@ class Attention(nn.Module):
             raise RuntimeError("the KV cache is not allocated: ModelRunner.allocate_kv_cache() binds it")
         store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
         if md.is_decode:
-            o = paged_attention_decode(q, self.k_cache, self.v_cache, md.block_tables, md.seq_lens_k, self.scale)
+            o = paged_attention_decode(q, self.k_cache, self.v_cache, md.block_tables, md.seq_lens_k, self.scale,
+                                       max_len=md.max_seqlen_k)
         else:
             o = paged_attention_varlen(q, self.k_cache, self.v_cache, md.cu_seqlens_q, md.seq_lens_k,
                                        md.block_tables, self.scale, causal=True)
