@@ -1,0 +1,118 @@
+"""The Triton paged-attention kernels equal the torch paths and dense attention.
+
+Without a GPU they run in Triton's interpreter (the root conftest sets TRITON_INTERPRET=1), so the
+shapes are tiny but chosen to hit every edge: uneven lengths, a length of 1, lengths ending on and
+just past a block boundary, shuffled physical blocks, garbage in every unused slot and table
+entry, GQA groups of 1, 4 and 6, cached context before the new tokens, block sizes that are not
+powers of two, and a head_dim that is not one either.
+"""
+
+import pytest
+import torch
+
+from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen
+from paged_attention_triton import paged_attention_decode_triton, paged_attention_varlen_triton
+from test_paged_attention import TOL, build_paged
+
+
+def _cu(q_lens):
+    return torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (8, 2), (6, 1)])
+def test_decode_triton_matches_torch_and_dense(dtype, num_q_heads, num_kv_heads):
+    kv_lens, d, bs = [1, 7, 16, 17, 40], 32, 8
+    k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, num_kv_heads, d, bs, dtype, seed=11)
+    q = torch.randn(len(kv_lens), num_q_heads, d, generator=torch.Generator().manual_seed(12)).to(dtype)
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    out = paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, d ** -0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), paged_attention_decode(q, k_cache, v_cache, bt, lens, d ** -0.5).float(),
+                               **TOL[dtype])
+    for b in range(len(kv_lens)):
+        ref = dense_attention_reference(q[b:b + 1], ks[b], vs[b], causal=True, scale=d ** -0.5)
+        torch.testing.assert_close(out[b:b + 1].float(), ref.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_triton_with_cached_context_matches_dense(dtype):
+    # (new tokens, total tokens): a fresh prompt, a chunk after cached context, a decode row, a
+    # prompt ending on a block boundary, a one-token prompt, and a prompt longer than one q tile.
+    shapes = [(13, 13), (5, 21), (1, 9), (16, 32), (1, 1), (19, 19)]
+    hq, hkv, d, bs = 4, 2, 16, 4
+    kv_lens, q_lens = [kv for _, kv in shapes], [ql for ql, _ in shapes]
+    k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, hkv, d, bs, dtype, seed=13)
+    q = torch.randn(sum(q_lens), hq, d, generator=torch.Generator().manual_seed(14)).to(dtype)
+    cu, lens = _cu(q_lens), torch.tensor(kv_lens, dtype=torch.int32)
+    out = paged_attention_varlen_triton(q, k_cache, v_cache, cu, lens, bt, d ** -0.5)
+    torch.testing.assert_close(out.float(), paged_attention_varlen(q, k_cache, v_cache, cu, lens, bt, d ** -0.5).float(),
+                               **TOL[dtype])
+    for b in range(len(shapes)):
+        ref = dense_attention_reference(q[cu[b]:cu[b + 1]], ks[b], vs[b], causal=True, scale=d ** -0.5)
+        torch.testing.assert_close(out[cu[b]:cu[b + 1]].float(), ref.float(), **TOL[dtype])
+
+
+def test_varlen_triton_without_causal_mask_sees_every_key():
+    k_cache, v_cache, bt, ks, vs = build_paged([6, 11], 1, 8, 4, torch.float32, seed=15)
+    q = torch.randn(9, 2, 8, generator=torch.Generator().manual_seed(16))
+    cu, lens = _cu([6, 3]), torch.tensor([6, 11], dtype=torch.int32)
+    out = paged_attention_varlen_triton(q, k_cache, v_cache, cu, lens, bt, 0.5, causal=False)
+    torch.testing.assert_close(out[:6], dense_attention_reference(q[:6], ks[0], vs[0], causal=False, scale=0.5))
+    torch.testing.assert_close(out[6:], dense_attention_reference(q[6:], ks[1], vs[1], causal=False, scale=0.5))
+
+
+def test_odd_block_size_and_head_dim_and_garbage_table_entries():
+    # block_size 6 and head_dim 24 are not powers of two; the padding entries of the block table
+    # point far outside the cache, so reading one would fault or return garbage.
+    kv_lens, hq, hkv, d, bs = [5, 12, 13, 25], 4, 2, 24, 6
+    k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, hkv, d, bs, torch.float32, seed=17)
+    bt = torch.where(bt < 0, torch.full_like(bt, 10 ** 6), bt)
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    g = torch.Generator().manual_seed(18)
+    q_dec = torch.randn(len(kv_lens), hq, d, generator=g)
+    out_dec = paged_attention_decode_triton(q_dec, k_cache, v_cache, bt, lens, d ** -0.5)
+    q_lens = [5, 4, 1, 7]
+    q_var = torch.randn(sum(q_lens), hq, d, generator=g)
+    cu = _cu(q_lens)
+    out_var = paged_attention_varlen_triton(q_var, k_cache, v_cache, cu, lens, bt, d ** -0.5)
+    for b, n in enumerate(kv_lens):
+        ref = dense_attention_reference(q_dec[b:b + 1], ks[b], vs[b], scale=d ** -0.5)
+        torch.testing.assert_close(out_dec[b:b + 1], ref, **TOL[torch.float32])
+        ref = dense_attention_reference(q_var[cu[b]:cu[b + 1]], ks[b], vs[b], scale=d ** -0.5)
+        torch.testing.assert_close(out_var[cu[b]:cu[b + 1]], ref, **TOL[torch.float32])
+
+
+def test_strided_q_from_a_fused_qkv_and_varlen_decode_rows_equal_decode_kernel():
+    # Queries sliced out of a fused QKV projection are strided views; all-decode varlen batches
+    # must give what the decode kernel gives.
+    kv_lens, hq, hkv, d, bs = [3, 9, 4], 4, 2, 16, 4
+    k_cache, v_cache, bt, _, _ = build_paged(kv_lens, hkv, d, bs, torch.float32, seed=19)
+    qkv = torch.randn(len(kv_lens), (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(20))
+    q = qkv[:, :hq * d].view(-1, hq, d)
+    assert not q.is_contiguous()
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    dec = paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, 0.3)
+    var = paged_attention_varlen_triton(q, k_cache, v_cache, _cu([1, 1, 1]), lens, bt, 0.3, max_seqlen_q=1)
+    torch.testing.assert_close(dec, paged_attention_decode(q, k_cache, v_cache, bt, lens, 0.3))
+    torch.testing.assert_close(var, dec)
+
+
+def test_triton_bad_arguments_raise_value_error_naming_them():
+    k_cache = torch.zeros(4, 4, 2, 8)
+    bt = torch.zeros(1, 2, dtype=torch.int32)
+    one = torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="kv heads"):
+        paged_attention_decode_triton(torch.zeros(1, 3, 8), k_cache, k_cache, bt, one, 1.0)
+    with pytest.raises(ValueError, match="k_cache"):
+        paged_attention_decode_triton(torch.zeros(1, 2, 16), k_cache, k_cache, bt, one, 1.0)
+    with pytest.raises(ValueError, match="share a dtype"):
+        paged_attention_decode_triton(torch.zeros(1, 2, 8, dtype=torch.bfloat16), k_cache, k_cache, bt, one, 1.0)
+    with pytest.raises(ValueError, match="context_lens"):
+        paged_attention_decode_triton(torch.zeros(1, 2, 8), k_cache, k_cache, bt, torch.tensor([0]), 1.0)
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_attention_decode_triton(torch.zeros(1, 2, 8), k_cache, k_cache, bt, torch.tensor([9]), 1.0)
+    with pytest.raises(ValueError, match="seq_lens_k"):
+        paged_attention_varlen_triton(torch.zeros(3, 2, 8), k_cache, k_cache, _cu([3]), torch.tensor([2]), bt, 1.0)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        paged_attention_varlen_triton(torch.zeros(3, 2, 8), k_cache, k_cache, _cu([2]), torch.tensor([2]), bt, 1.0)
