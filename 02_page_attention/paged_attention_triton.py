@@ -45,7 +45,7 @@ except ImportError:  # the torch path needs no Triton
 # Triton's interpreter keeps bfloat16 as raw uint16 bits and its tl.dot multiplies those bits
 # (triton-lang/triton#11584), so interpreted kernels compute in float32. On a GPU, 16-bit inputs
 # go to the tensor cores as they are, accumulating in float32.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 # Tile sizes: 16 is the smallest side tl.dot accepts on a GPU; larger key tiles mean fewer loop
 # iterations (and, in the interpreter, fewer slow Python steps).
@@ -75,6 +75,8 @@ def _check_common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if lens.shape != (num_seqs,) or lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{lens_name} must be an int32/int64 [{num_seqs}] tensor, "
                          f"got {lens.dtype} of shape {tuple(lens.shape)}")
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return  # the value checks below copy to the host, which a CUDA graph capture forbids
     if num_seqs and int(lens.min()) < 1:
         raise ValueError(f"{lens_name} must be >= 1 for every sequence (a query needs a key to attend to)")
     if num_seqs and -(-int(lens.max()) // k_cache.shape[1]) > block_tables.shape[1]:
@@ -280,5 +282,5 @@ def paged_attention_varlen_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=VARLEN_BLOCK_M, BLOCK_N=VARLEN_BLOCK_N,
-        CAUSAL=causal, UPCAST=_INTERPRETED)
+        CAUSAL=causal, UPCAST=INTERPRETED)
     return out

@@ -1,0 +1,87 @@
+"""One entry point for paged attention, three implementations behind it.
+
+:func:`paged_attention` takes the batch as the engine describes it (packed queries,
+``cu_seqlens_q``, ``seq_lens_k``, ``block_tables``) and sends it to the best implementation
+available for the tensors it is given:
+
+=========  =============================================  ==========================================
+backend    when ``"auto"`` picks it                        module
+=========  =============================================  ==========================================
+flash      CUDA tensors, flash-attn installed, float16 /   :mod:`flash_attention` (flash-attn 2)
+           bfloat16, ``block_size`` a multiple of 256
+triton     CUDA tensors otherwise                          :mod:`paged_attention_triton`
+torch      CPU tensors                                     :mod:`paged_attention`
+=========  =============================================  ==========================================
+
+A batch where every sequence brings exactly one token (``max_seqlen_q == 1``) takes each
+backend's decode kernel; anything else takes its varlen kernel. Naming a backend forces it
+(``"triton"`` on a CPU runs Triton's interpreter: exact and slow, for tests and the demo).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flash_attention import FLASH_BLOCK_MULTIPLE, HAS_FLASH_ATTN, flash_decode, flash_varlen
+from paged_attention import paged_attention_decode, paged_attention_varlen
+from paged_attention_triton import (HAS_TRITON, INTERPRETED, paged_attention_decode_triton,
+                                    paged_attention_varlen_triton)
+
+BACKENDS = ("auto", "flash", "triton", "torch")
+
+
+def select_backend(q: torch.Tensor, k_cache: torch.Tensor, backend: str = "auto") -> str:
+    """The implementation :func:`paged_attention` will run: ``backend`` itself unless it is "auto"."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" and not (HAS_TRITON and (q.is_cuda or INTERPRETED)):
+        raise ValueError("backend 'triton' needs triton and CUDA tensors (or TRITON_INTERPRET=1 on a CPU)")
+    if backend != "auto":
+        return backend
+    if q.is_cuda:
+        flash_ok = (HAS_FLASH_ATTN and q.dtype in (torch.float16, torch.bfloat16)
+                    and k_cache.shape[1] % FLASH_BLOCK_MULTIPLE == 0)
+        if flash_ok:
+            return "flash"
+        if HAS_TRITON:
+            return "triton"
+    return "torch"
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    seq_lens_k: torch.Tensor, block_tables: torch.Tensor, scale: float, max_seqlen_q: int,
+                    backend: str = "auto", max_seqlen_k: int | None = None) -> torch.Tensor:
+    """Causal attention of packed new tokens over their paged context, by the chosen backend.
+
+    Args:
+        q: ``[T, Hq, D]``, the new tokens of ``B`` sequences back to back.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, the new tokens already stored.
+        cu_seqlens_q: ``[B+1]`` int offsets of each sequence's rows in ``q``.
+        seq_lens_k: ``[B]`` int, cached + new tokens of each sequence.
+        block_tables: ``[B, max_blocks]`` int.
+        scale: softmax scale.
+        max_seqlen_q: the most new tokens any sequence has (1 means a pure decode batch).
+        backend: "auto" (see the module docstring), "flash", "triton" or "torch".
+        max_seqlen_k: an upper bound of ``seq_lens_k`` known on the host; read from the tensor
+            when needed and omitted.
+
+    Returns:
+        ``[T, Hq, D]`` in ``q``'s dtype.
+    """
+    name = select_backend(q, k_cache, backend)
+    num_seqs = block_tables.shape[0]
+    if max_seqlen_q == 1 and q.shape[0] == num_seqs:
+        if name == "flash":
+            return flash_decode(q, k_cache, v_cache, block_tables, seq_lens_k, scale)
+        if name == "triton":
+            return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens_k, scale)
+        return paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens_k, scale, max_len=max_seqlen_k)
+    if name == "flash":
+        if max_seqlen_k is None:
+            max_seqlen_k = int(seq_lens_k.max())
+        return flash_varlen(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, max_seqlen_q,
+                            max_seqlen_k)
+    if name == "triton":
+        return paged_attention_varlen_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
+                                             max_seqlen_q=max_seqlen_q)
+    return paged_attention_varlen(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale)
