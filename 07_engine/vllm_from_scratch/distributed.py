@@ -137,8 +137,7 @@ def _worker_main(runner_factory: Callable[[int], Any], rank: int, world_size: in
     try:
         dist.barrier(group=control)  # tells rank 0 that every runner is built
         while True:
-            [message] = _receive(control)
-            method, args, kwargs = message
+            method, args, kwargs = _receive(control)
             if method == EXIT:
                 break
             getattr(runner, method)(*args, **kwargs)
@@ -151,10 +150,10 @@ def _worker_main(runner_factory: Callable[[int], Any], rank: int, world_size: in
             dist.destroy_process_group()
 
 
-def _receive(control: dist.ProcessGroup) -> list[Any]:
+def _receive(control: dist.ProcessGroup) -> Any:
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0, group=control)
-    return box
+    return box[0]
 
 
 def _wait_for_workers(store: dist.Store, procs: list[mp.Process]) -> None:
@@ -242,7 +241,8 @@ class TensorParallelExecutor:
     ``call("run", batch)`` broadcasts the call, then runs it on rank 0's runner and returns rank
     0's result; the workers' results are dropped (their runners return nothing that matters:
     only rank 0 holds the gathered logits). Only one executor may be alive per process, because
-    rank 0 uses this process's default ``torch.distributed`` group.
+    rank 0 uses this process's default ``torch.distributed`` group. Workers are *spawned*, which
+    re-imports the main module: a script that builds one needs ``if __name__ == "__main__":``.
     """
 
     def __init__(self, runner_factory: Callable[[int], Any], world_size: int,
