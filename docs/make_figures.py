@@ -44,10 +44,10 @@ MANIFEST = FIGURES / "figures.json"
 
 # ---------------------------------------------------------------------------- reading tables
 def markdown_tables(text: str) -> list[list[dict[str, str]]]:
-    """Every ``| a | b |`` table in ``text``, as rows of {header: cell}."""
+    """Every ``| a | b |`` table in ``text`` (outer pipes optional), as rows of {header: cell}."""
     tables, block = [], []
     for line in text.splitlines() + [""]:
-        if line.strip().startswith("|"):
+        if line.count("|") >= 2:
             block.append([c.strip() for c in line.strip().strip("|").split("|")])
             continue
         if len(block) >= 3 and set("".join(block[1])) <= set("-: "):
@@ -143,6 +143,15 @@ def plot_chunked_prefill(output: str, ax: plt.Axes) -> None:
     _bars(ax, [m.replace(" ms", "") for m in metrics], series, "wall ms (log, lower is better)", log=True)
 
 
+def plot_spec_decode(output: str, ax: plt.Axes) -> None:
+    table = next(t for t in markdown_tables(output) if "proposer" in t[0])
+    labels = [f"{r['workload']}\n{r['proposer']}" + (f" k={r['k']}" if r["k"] != "0" else "") for r in table]
+    series = {"tokens per target forward": [number(r["tokens/forward"]) for r in table],
+              "speed-up over plain decoding": [number(r["speed-up"]) for r in table]}
+    _bars(ax, labels, series, "x (higher is better)")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+
+
 RECIPES = [
     Recipe("scheduler_policies", "04_scheduler",
            "Two-phase (vLLM V1) vs prefill-first (nano-vllm) scheduling",
@@ -155,6 +164,14 @@ RECIPES = [
            "One SmolLM2-135M KV block (360 KiB bf16) per operation, Mooncake over loopback TCP with "
            "a master and a pool-holding client started by the benchmark. Log scale.",
            ["03_prefix_cache/bench_kv_pool.py", "--repeat", "100"], plot_kv_pool),
+    Recipe("spec_decode", "05_spec_decode",
+           "Speculative decoding on the default model: tokens per forward and speed-up",
+           "SmolLM2-135M-Instruct (float32, greedy, batch 1, 32 new tokens) as the target; an "
+           "n-gram proposer and a draft model made of the target's first 4 layers, k = 4; a prompt "
+           "the model copies and an open-ended one. Speed-up is wall time of plain decoding over "
+           "speculative decoding on the same code path.",
+           ["05_spec_decode/bench_spec_decode.py", "--max-new-tokens", "32", "--ks", "4", "--draft-ks", "4"],
+           plot_spec_decode, timeout_s=1800),
     Recipe("chunked_prefill", "06_chunked_prefill",
            "Chunked prefill: decodes keep their pace while a long prompt arrives",
            "Four requests decoding on chapter 06's toy transformer when a 2,048-token prompt "

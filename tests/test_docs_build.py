@@ -58,3 +58,22 @@ def test_mkdocs_build_strict(tmp_path):
         assert (site / chapter / "index.html").is_file(), f"{chapter}'s README is not in the site"
     for page in site.rglob("*.html"):
         assert "<!-- book:" not in page.read_text(encoding="utf-8"), f"{page}: a generated section was not filled"
+
+
+def test_every_saved_benchmark_output_still_plots():
+    """docs/make_figures.py can redraw each figure from the output it saved (no re-run here)."""
+    import matplotlib.pyplot as plt
+
+    spec = importlib.util.spec_from_file_location("vfs_make_figures", ROOT / "docs" / "make_figures.py")
+    figures = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = figures  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(figures)
+    saved = [r for r in figures.RECIPES if (figures.DATA / f"{r.name}.txt").exists()]
+    assert saved, "no benchmark output saved under docs/data/"
+    for recipe in saved:
+        fig, ax = plt.subplots()
+        recipe.plot((figures.DATA / f"{recipe.name}.txt").read_text(), ax)
+        assert ax.patches, f"{recipe.name}: nothing was drawn"
+        plt.close(fig)
+    assert figures.markdown_tables("a | b\n--|--\n1 | 2\n") == [[{"a": "1", "b": "2"}]]
+    assert figures.number("1,234.5 ms") == 1234.5
