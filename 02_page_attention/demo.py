@@ -1,0 +1,159 @@
+"""Chapter 02 demo: attention over a paged KV cache whose blocks are shuffled.
+
+1. A few sequences of uneven lengths are written into randomly chosen physical blocks (every other
+   slot holds large garbage), and their block tables are printed.
+2. Decode (one new token each) and prefill with cached context (several new tokens after earlier
+   ones) are computed three ways: the torch paths, the Triton kernels (Triton's interpreter on a
+   CPU), and dense attention on the contiguous K/V; the largest differences are printed.
+3. A timing table: the torch decode path (one gather + one batched attention call) against a naive
+   loop that attends one sequence at a time.
+
+Run: ``python 02_page_attention/demo.py`` (a few seconds on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported by the kernel module
+
+from attention_backends import select_backend  # noqa: E402
+from paged_attention import (dense_attention_reference, paged_attention_decode,  # noqa: E402
+                             paged_attention_varlen)
+from paged_attention_triton import paged_attention_decode_triton, paged_attention_varlen_triton  # noqa: E402
+
+
+def build_paged_cache(kv_lens, num_kv_heads, head_dim, block_size, generator, spare_blocks=4):
+    """Write random K/V of each sequence into shuffled physical blocks; garbage everywhere else.
+
+    Returns ``k_cache, v_cache, block_tables (padded with -1), [k per sequence], [v per sequence]``.
+    """
+    blocks_per_seq = [-(-n // block_size) for n in kv_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator) * 100
+    v_cache = torch.randn(shape, generator=generator) * 100
+    free = torch.randperm(num_blocks, generator=generator).tolist()
+    tables, ks, vs = [], [], []
+    for n, nb in zip(kv_lens, blocks_per_seq):
+        table = [free.pop() for _ in range(nb)]
+        k = torch.randn(n, num_kv_heads, head_dim, generator=generator)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=generator)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = k
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = v
+        tables.append(table)
+        ks.append(k)
+        vs.append(v)
+    width = max(blocks_per_seq)
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return k_cache, v_cache, block_tables, ks, vs
+
+
+def show_correctness(args, g):
+    hq, hkv, d, bs = 8, 2, 32, args.block_size
+    kv_lens = [5, 16, 17, 38]
+    k_cache, v_cache, bt, ks, vs = build_paged_cache(kv_lens, hkv, d, bs, g)
+    print(f"Paged cache: {k_cache.shape[0]} physical blocks of {bs} slots, {hq} q heads over {hkv} kv heads "
+          f"(GQA {hq // hkv}:1), head_dim {d}")
+    for b, n in enumerate(kv_lens):
+        table = [x for x in bt[b].tolist() if x >= 0]
+        print(f"  seq {b}: {n:>2} tokens -> block table {table}")
+    scale = d ** -0.5
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+
+    q = torch.randn(len(kv_lens), hq, d, generator=g)
+    dense = torch.cat([dense_attention_reference(q[b:b + 1], ks[b], vs[b], scale=scale) for b in range(len(kv_lens))])
+    decode = {"torch": paged_attention_decode(q, k_cache, v_cache, bt, lens, scale),
+              "triton": paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, scale)}
+
+    q_lens = [5, 3, 17, 6]  # seq 0 is a fresh prompt; the others have cached context before these
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    qv = torch.randn(sum(q_lens), hq, d, generator=g)
+    dense_v = torch.cat([dense_attention_reference(qv[cu[b]:cu[b + 1]], ks[b], vs[b], scale=scale)
+                         for b in range(len(kv_lens))])
+    varlen = {"torch": paged_attention_varlen(qv, k_cache, v_cache, cu, lens, bt, scale),
+              "triton": paged_attention_varlen_triton(qv, k_cache, v_cache, cu, lens, bt, scale)}
+
+    triton_mode = "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "GPU"
+    print(f"\nMax |paged - dense| (float32; Triton runs in its {triton_mode}):")
+    print(f"  {'path':<34} {'torch':>10} {'triton':>10}")
+    print(f"  {'decode (1 new token, 4 seqs)':<34} {(decode['torch'] - dense).abs().max():>10.2e} "
+          f"{(decode['triton'] - dense).abs().max():>10.2e}")
+    print(f"  {'prefill, new tokens ' + str(q_lens):<34} {(varlen['torch'] - dense_v).abs().max():>10.2e} "
+          f"{(varlen['triton'] - dense_v).abs().max():>10.2e}")
+    print(f"  (the garbage in unused slots has magnitude ~100: reading one slot of it would show as an error >> 1)")
+    print(f"  paged_attention(backend='auto') on these CPU tensors runs: {select_backend(q, k_cache)}")
+
+
+def naive_decode_loop(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """One sequence at a time: gather its blocks, attend, next. What batching replaces."""
+    out = torch.empty_like(q)
+    bs = k_cache.shape[1]
+    for b, n in enumerate(context_lens.tolist()):
+        table = block_tables[b, :-(-n // bs)].long()
+        k = k_cache[table].flatten(0, 1)[:n].transpose(0, 1)  # [Hkv, n, D]
+        v = v_cache[table].flatten(0, 1)[:n].transpose(0, 1)
+        out[b] = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=scale, enable_gqa=True)[:, 0]
+    return out
+
+
+def time_it(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def show_timing(args, g):
+    hq, hkv, d, bs = 9, 3, 64, 16  # SmolLM2-135M's attention shape, the engine's default block size
+    print(f"\nDecode timing, torch, float32, torch threads {torch.get_num_threads()}, {hq} q / {hkv} kv heads, head_dim {d}, "
+          f"block_size {bs}, contexts uniform in [{args.context_len // 2}, {args.context_len}] "
+          f"(median of {args.repeats}):")
+    print(f"  {'batch':>5} {'batched (ms)':>13} {'per-seq loop (ms)':>18} {'speed-up':>9} {'max |diff|':>11}")
+    for batch in args.batch_sizes:
+        kv_lens = torch.randint(args.context_len // 2, args.context_len + 1, (batch,), generator=g).tolist()
+        k_cache, v_cache, bt, _, _ = build_paged_cache(kv_lens, hkv, d, bs, g)
+        q = torch.randn(batch, hq, d, generator=g)
+        lens = torch.tensor(kv_lens, dtype=torch.int32)
+        batched = time_it(lambda: paged_attention_decode(q, k_cache, v_cache, bt, lens, d ** -0.5), args.repeats)
+        loop = time_it(lambda: naive_decode_loop(q, k_cache, v_cache, bt, lens, d ** -0.5), args.repeats)
+        diff = (paged_attention_decode(q, k_cache, v_cache, bt, lens, d ** -0.5)
+                - naive_decode_loop(q, k_cache, v_cache, bt, lens, d ** -0.5)).abs().max()
+        print(f"  {batch:>5} {batched * 1e3:>13.3f} {loop * 1e3:>18.3f} {loop / batched:>8.1f}x {diff:>11.1e}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--block-size", type=int, default=8, help="slots per block in the correctness part")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64], help="timing table rows")
+    parser.add_argument("--context-len", type=int, default=256, help="longest context in the timing table")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per row (median reported)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1 keeps timings steady on a shared 2-core machine)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    for name in ("block_size", "context_len", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if any(b < 1 for b in args.batch_sizes):
+        parser.error("--batch-sizes must all be >= 1")
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(args.seed)
+    show_correctness(args, g)
+    show_timing(args, g)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""The chapter's demo runs (so it cannot rot) and what it prints is what it claims."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def test_demo_runs_and_every_path_matches_dense():
+    out = subprocess.run([sys.executable, str(HERE / "demo.py"), "--batch-sizes", "1", "4", "--context-len", "64",
+                          "--repeats", "2"], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {line.split()[0].rstrip(","): line for line in out.stdout.splitlines() if line.strip().startswith(("decode", "prefill"))}
+    for name in ("decode", "prefill"):
+        errors = [float(x) for x in re.findall(r"\d\.\d\de[-+]\d\d", rows[name])]
+        assert len(errors) == 2 and max(errors) < 1e-4, rows[name]
+    assert "runs: torch" in out.stdout or "runs: triton" in out.stdout or "runs: flash" in out.stdout
+    timing = [line.split() for line in out.stdout.split("speed-up")[1].splitlines()[1:] if line.strip()]
+    assert [int(r[0]) for r in timing] == [1, 4] and all(float(r[-1]) < 1e-4 for r in timing)
+
+
+def test_demo_help():
+    out = subprocess.run([sys.executable, str(HERE / "demo.py"), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "usage" in out.stdout and "--batch-sizes" in out.stdout
