@@ -47,7 +47,7 @@ def markdown_tables(text: str) -> list[list[dict[str, str]]]:
     """Every ``| a | b |`` table in ``text`` (outer pipes optional), as rows of {header: cell}."""
     tables, block = [], []
     for line in text.splitlines() + [""]:
-        if line.count("|") >= 2:
+        if "|" in line:
             block.append([c.strip() for c in line.strip().strip("|").split("|")])
             continue
         if len(block) >= 3 and set("".join(block[1])) <= set("-: "):
