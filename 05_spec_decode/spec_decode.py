@@ -235,7 +235,6 @@ def rejection_sampling_batched(target_sampled: torch.Tensor, draft_tokens: torch
                          f"positions")
     if int(cu_num_logits[-1]) != target_sampled.numel():
         raise ValueError("cu_num_logits[-1] must equal len(target_sampled)")
-    num_reqs = counts.numel()
     width = num_speculative_steps + 1
     starts = cu_num_logits[:-1].long()
     offs = torch.arange(width, device=target_sampled.device)
@@ -249,7 +248,6 @@ def rejection_sampling_batched(target_sampled: torch.Tensor, draft_tokens: torch
     num_sampled = match.long().cumprod(1).sum(1) + 1
     keep = in_req & (offs.unsqueeze(0) < num_sampled.unsqueeze(1))
     sampled = torch.where(keep, target, torch.full_like(target, PLACEHOLDER_TOKEN_ID))
-    assert sampled.shape == (num_reqs, width)
     return sampled, num_sampled.to(torch.int32)
 
 
