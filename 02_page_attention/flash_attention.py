@@ -1,6 +1,6 @@
 """flash-attn's paged-KV calls, behind the same arguments as the torch and Triton paths.
 
-`flash-attn <https://github.com/Dao-AILab/flash-attention>`_ (2.6+) reads a paged cache itself:
+`flash-attn <https://github.com/Dao-AILab/flash-attention>`_ 2 reads a paged cache itself:
 both of its entry points take a ``block_table`` and then treat ``k_cache``/``v_cache``
 (``[num_blocks, block_size, kv_heads, head_dim]``, chapter 01's layout) as the pool of pages.
 nano-vllm calls exactly these two functions, and so do we:
