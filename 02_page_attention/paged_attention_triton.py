@@ -99,7 +99,8 @@ if HAS_TRITON:
                              stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                              stride_bt, stride_ob, stride_oh,
                              BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+                             GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                             UPCAST: tl.constexpr):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         ctx_len = tl.load(context_lens_ptr + seq)
@@ -109,7 +110,9 @@ if HAS_TRITON:
         d_mask = d < HEAD_DIM
         heads = kv_head * GROUP + g
         q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
@@ -117,17 +120,20 @@ if HAS_TRITON:
             pos = start + tl.arange(0, BLOCK_N)
             valid = pos < ctx_len
             k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, kv_head, pos, valid, d, d_mask,
-                              stride_kb, stride_kt, stride_kh, stride_bt, BLOCK_SIZE).to(tl.float32)
+                              stride_kb, stride_kt, stride_kh, stride_bt, BLOCK_SIZE)
             v = _load_kv_tile(v_cache_ptr, block_tables_ptr, seq, kv_head, pos, valid, d, d_mask,
-                              stride_vb, stride_vt, stride_vh, stride_bt, BLOCK_SIZE).to(tl.float32)
-            # One query row per head of the group: too few rows for tl.dot, so a broadcast product.
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+                              stride_vb, stride_vt, stride_vh, stride_bt, BLOCK_SIZE)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            # The group's query rows (padded to 16, tl.dot's minimum) against the tile's keys.
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)  # 0 on the first tile (m_i = -inf): nothing to rescale yet
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -230,8 +236,8 @@ def paged_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         q, k_cache, v_cache, block_tables, context_lens, out, float(scale),
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
-        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=triton.next_power_of_2(group),
-        D_PAD=triton.next_power_of_2(head_dim), BLOCK_N=DECODE_BLOCK_N)
+        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=DECODE_BLOCK_N, UPCAST=INTERPRETED)
     return out
 
 
