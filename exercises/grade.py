@@ -1,13 +1,13 @@
-"""Grade exercises with the chapters' own tests: one pytest run per chapter, a score per exercise.
+"""Grade exercises with the chapters' own tests: one pytest run, a score per exercise.
 
     python exercises/grade.py                                  # the stubs in exercises/
     python exercises/grade.py --exercises-dir submissions/ada  # one student's copy of exercises/
     python exercises/grade.py --chapter 01_paged_kv --json ada.json
     python exercises/grade.py --impl reference                 # the book itself: all must pass
 
-Each chapter's run selects only the tests its registry lists, runs them with ``--impl=student``
-in a fresh interpreter (so one submission cannot leak into the next), and reads pytest's JUnit
-XML report. An exercise scores the fraction of its tests that passed; a test that failed with the
+One pytest run, in a fresh interpreter (so one submission cannot leak into the next), selects
+only the tests the registries list, runs them with ``--impl=student`` and writes a JUnit XML
+report that this script reads. An exercise scores the fraction of its tests that passed; a test that failed with the
 stub's own ``NotImplementedError`` is reported as "not attempted".
 """
 
@@ -55,9 +55,9 @@ def _nodeid(case: ET.Element) -> str:
     return f"{classname}::{name}"
 
 
-def run_chapter(chapter: str, exercises: list[ep.Exercise], impl: str, exercises_dir: Path | None,
-                timeout: float = 600) -> dict[str, TestResult]:
-    """Run ``chapter``'s exercise tests once; results keyed by pytest node id."""
+def run_tests(exercises: list[ep.Exercise], impl: str, exercises_dir: Path | None,
+              timeout: float = 1200) -> dict[str, TestResult]:
+    """Run the tests of ``exercises`` in one fresh pytest process; results keyed by node id."""
     # Test files plus --exercise (which deselects every other test), not node ids: pytest gives up
     # on the whole run when one named node cannot be collected.
     files = list(dict.fromkeys(t.split("::")[0] for ex in exercises for t in ex.tests))
@@ -72,7 +72,7 @@ def run_chapter(chapter: str, exercises: list[ep.Exercise], impl: str, exercises
             cmd.append(f"--exercises-dir={exercises_dir}")
         proc = subprocess.run(cmd, cwd=ep.ROOT, capture_output=True, text=True, timeout=timeout)
         if not report.exists():
-            raise RuntimeError(f"pytest wrote no report for {chapter}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+            raise RuntimeError(f"pytest wrote no report:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
         results = {}
         for case in ET.parse(report).getroot().iter("testcase"):
             outcome, message = "passed", ""
@@ -102,14 +102,9 @@ def score(exercises: list[ep.Exercise], results: dict[str, TestResult]) -> list[
 def grade(impl: str = "student", exercises_dir: Path | None = None,
           chapters: list[str] | None = None) -> list[ExerciseScore]:
     """Scores of every exercise of ``chapters`` (all chapters with a registry by default)."""
-    exercises = ep.load_exercises()
-    scores = []
-    for chapter in dict.fromkeys(ex.chapter for ex in exercises):
-        if chapters and chapter not in chapters:
-            continue
-        mine = [ex for ex in exercises if ex.chapter == chapter]
-        scores += score(mine, run_chapter(chapter, mine, impl, exercises_dir))
-    return scores
+    exercises = [ex for ex in ep.load_exercises() if not chapters or ex.chapter in chapters]
+    # One pytest process for all of them: torch and the chapters are imported once.
+    return score(exercises, run_tests(exercises, impl, exercises_dir)) if exercises else []
 
 
 def main(argv=None) -> int:
