@@ -22,9 +22,10 @@ def rejection_sample_triton(draft_token_ids: torch.Tensor, draft_probs: torch.Te
 
     ``block_v`` is the vocabulary chunk a program streams at a time (a power of two).
 
-    Hint: One program per request: walk its drafts, accept or stop, then pick the recovered or
-    bonus token by argmax(weights / exponential noise) over the vocabulary in blocks of block_v.
-    Use the same RejectionNoise as rejection_sample, so both agree exactly.
+    Hint: Write the kernel (_rejection_sample_kernel: one program per request, walk its drafts,
+    accept or stop, then a chunked running argmax of weights / exponential noise over the
+    vocabulary in blocks of block_v) and this launcher. Use the same RejectionNoise as
+    rejection_sample, so both agree exactly.
 
     Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.3
     """

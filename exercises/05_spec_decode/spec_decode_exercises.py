@@ -1,4 +1,4 @@
-"""Exercises 05.2, 05.4, 05.5 of 05_spec_decode: your versions of spec_decode.py.
+"""Exercises 05.1, 05.7 of 05_spec_decode: your versions of spec_decode.py.
 
 Replace each `raise NotImplementedError(...)` with your code, then run
 `pytest 05_spec_decode/ --impl=student` (or `--exercise ID` for one exercise). The tests are
@@ -7,12 +7,10 @@ the chapter's own; see exercises/README.md for how your function is put in place
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
 import torch
-from spec_decode import LogitsModel, RejectionNoise
+from spec_decode import RejectionNoise
 from spec_decode import PLACEHOLDER_TOKEN_ID, sample_rejection_noise, validate_rejection_inputs
 from spec_decode import PLACEHOLDER_TOKEN_ID
-from spec_decode import probs_from_logits, rejection_sample
 
 
 def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -40,9 +38,9 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
     sample_rejection_noise do the checking and the randomness (so the Triton kernel can share
     it).
 
-    Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.2
+    Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.1
     """
-    raise NotImplementedError("Exercise 05.2: implement rejection_sample — see 05_spec_decode/README.md#exercises")
+    raise NotImplementedError("Exercise 05.1: implement rejection_sample — see 05_spec_decode/README.md#exercises")
 
 
 def rejection_sampling_batched(target_sampled: torch.Tensor, draft_tokens: torch.Tensor,
@@ -62,24 +60,6 @@ def rejection_sampling_batched(target_sampled: torch.Tensor, draft_tokens: torch
     position i verifies is draft_tokens[i + 1]; keep target tokens up to and including the first
     mismatch. Vectorise with a [num_reqs, k + 1] index grid.
 
-    Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.4
+    Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.7
     """
-    raise NotImplementedError("Exercise 05.4: implement rejection_sampling_batched — see 05_spec_decode/README.md#exercises")
-
-
-def verify_and_sample(target_model: LogitsModel, context_ids: Sequence[int],
-                      draft_tokens: Sequence[int], draft_probs: torch.Tensor | None = None,
-                      temperature: float = 0.0, generator: torch.Generator | None = None,
-                      ) -> tuple[list[int], int]:
-    """One target forward over context + drafts, then rejection sampling.
-
-    Returns ``(emitted_tokens, num_accepted)``: the accepted drafts followed by one recovered or
-    bonus token, so ``len(emitted_tokens) == num_accepted + 1`` (the seed dropped the bonus).
-
-    Hint: Ask target_model.get_logits for the last k + 1 positions of context + drafts, turn
-    them into probabilities (probs_from_logits), call rejection_sample, keep the tokens that are
-    not -1.
-
-    Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.5
-    """
-    raise NotImplementedError("Exercise 05.5: implement verify_and_sample — see 05_spec_decode/README.md#exercises")
+    raise NotImplementedError("Exercise 05.7: implement rejection_sampling_batched — see 05_spec_decode/README.md#exercises")
