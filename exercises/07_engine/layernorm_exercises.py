@@ -1,4 +1,4 @@
-"""Exercise 07.4 of 07_engine: your versions of vllm_from_scratch/layers/layernorm.py.
+"""Exercise 07.9 of 07_engine: your versions of vllm_from_scratch/layers/layernorm.py.
 
 Replace each `raise NotImplementedError(...)` with your code, then run
 `pytest 07_engine/ --impl=student` (or `--exercise ID` for one exercise). The tests are
@@ -11,7 +11,7 @@ import torch
 
 
 def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-    """RMSNorm, with the residual add fused in
+    """Extra: RMSNorm, with the residual add fused in
 
     Becomes ``RMSNorm.forward`` (a method: ``self`` is the RMSNorm). Call parent methods as
     ``Parent.method(self, ...)``, not ``super()``.
@@ -19,6 +19,6 @@ def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
     Hint: x * rsqrt(mean(x^2) + eps) * weight, computed in float32; with a residual, add it
     first and return (normed, x + residual), the new residual.
 
-    Checked by: pytest 07_engine/ --impl=student --exercise 07.4
+    Checked by: pytest 07_engine/ --impl=student --exercise 07.9
     """
-    raise NotImplementedError("Exercise 07.4: implement RMSNorm.forward — see 07_engine/README.md#exercises")
+    raise NotImplementedError("Exercise 07.9: implement RMSNorm.forward — see 07_engine/README.md#exercises")

@@ -1,4 +1,4 @@
-"""Exercise 07.5 of 07_engine: your versions of vllm_from_scratch/layers/rotary_embedding.py.
+"""Exercises 07.4, 07.10 of 07_engine: your versions of vllm_from_scratch/layers/rotary_embedding.py.
 
 Replace each `raise NotImplementedError(...)` with your code, then run
 `pytest 07_engine/ --impl=student` (or `--exercise ID` for one exercise). The tests are
@@ -10,8 +10,20 @@ from __future__ import annotations
 import torch
 
 
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.x's frequency-dependent stretch: long wavelengths slowed by ``factor``.
+
+    Hint: Wavelengths longer than original_max_position_embeddings / low_freq_factor are divided
+    by factor, shorter than .../ high_freq_factor are kept, and the band between is interpolated
+    smoothly between the two.
+
+    Checked by: pytest 07_engine/ --impl=student --exercise 07.4
+    """
+    raise NotImplementedError("Exercise 07.4: implement _llama3_inv_freq — see 07_engine/README.md#exercises")
+
+
 def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-    """Rotary position embeddings from a precomputed cos/sin cache
+    """Extra: rotary position embeddings from a precomputed cos/sin cache
 
     Becomes ``RotaryEmbedding.forward`` (a method: ``self`` is the RotaryEmbedding). Call parent
     methods as ``Parent.method(self, ...)``, not ``super()``.
@@ -19,6 +31,6 @@ def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
     Hint: Look up self.cos_sin_cache[positions], split it into cos and sin, and rotate the two
     halves of every head of q and k (self._rotate does one tensor).
 
-    Checked by: pytest 07_engine/ --impl=student --exercise 07.5
+    Checked by: pytest 07_engine/ --impl=student --exercise 07.10
     """
-    raise NotImplementedError("Exercise 07.5: implement RotaryEmbedding.forward — see 07_engine/README.md#exercises")
+    raise NotImplementedError("Exercise 07.10: implement RotaryEmbedding.forward — see 07_engine/README.md#exercises")

@@ -1,4 +1,4 @@
-"""Exercises 07.1, 07.2, 07.3 of 07_engine: your versions of vllm_from_scratch/sampler.py.
+"""Exercises 07.1, 07.7, 07.8 of 07_engine: your versions of vllm_from_scratch/sampler.py.
 
 Replace each `raise NotImplementedError(...)` with your code, then run
 `pytest 07_engine/ --impl=student` (or `--exercise ID` for one exercise). The tests are
@@ -39,9 +39,9 @@ def compute_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torc
     temperature, apply_top_k_top_p, softmax, then put a one-hot argmax row in place of every
     greedy row.
 
-    Checked by: pytest 07_engine/ --impl=student --exercise 07.2
+    Checked by: pytest 07_engine/ --impl=student --exercise 07.7
     """
-    raise NotImplementedError("Exercise 07.2: implement Sampler.compute_probs — see 07_engine/README.md#exercises")
+    raise NotImplementedError("Exercise 07.7: implement Sampler.compute_probs — see 07_engine/README.md#exercises")
 
 
 def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
@@ -53,6 +53,6 @@ def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | No
     Hint: argmax(probs / E) with E ~ Exp(1) is an exact draw from probs; draw a seeded row's E
     from its own generator so the rest of the batch cannot change it.
 
-    Checked by: pytest 07_engine/ --impl=student --exercise 07.3
+    Checked by: pytest 07_engine/ --impl=student --exercise 07.8
     """
-    raise NotImplementedError("Exercise 07.3: implement Sampler.sample_from_probs — see 07_engine/README.md#exercises")
+    raise NotImplementedError("Exercise 07.8: implement Sampler.sample_from_probs — see 07_engine/README.md#exercises")
