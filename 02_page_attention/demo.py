@@ -5,8 +5,9 @@
 2. Decode (one new token each) and prefill with cached context (several new tokens after earlier
    ones) are computed three ways: the torch paths, the Triton kernels (Triton's interpreter on a
    CPU), and dense attention on the contiguous K/V; the largest differences are printed.
-3. A timing table: the torch decode path (one gather + one batched attention call) against a naive
-   loop that attends one sequence at a time.
+3. Timing tables: the torch decode path (one gather + one batched attention call) against a naive
+   loop that attends one sequence at a time, and the torch varlen path on prefill / chunked /
+   mixed batches.
 
 Run: ``python 02_page_attention/demo.py`` (a few seconds on a 2-core CPU).
 """
@@ -133,6 +134,31 @@ def show_timing(args, g):
         print(f"  {batch:>5} {batched * 1e3:>13.3f} {loop * 1e3:>18.3f} {loop / batched:>8.1f}x {diff:>11.1e}")
 
 
+def show_varlen_timing(args, g):
+    """The varlen path on the batches chapter 06 builds: whole prompts, chunks after cached
+    context, and chunks with decode rows riding along."""
+    hq, hkv, d, bs = 9, 3, 64, 16
+    cases = [("fresh prompt", [(256, 256)]),
+             ("chunk after context", [(128, 512)]),
+             ("chunk + 32 decodes", [(128, 512)] + [(1, args.context_len)] * 32),
+             ("4 prompts", [(64, 64), (96, 96), (128, 128), (32, 32)])]
+    print(f"\nVarlen timing, torch, float32, same shape (median of {args.repeats}); (new, total) tokens per sequence:")
+    print(f"  {'batch':<22} {'sequences':>9} {'new tokens':>10} {'keys read':>10} {'time (ms)':>10} {'max |err|':>10}")
+    for name, shapes in cases:
+        q_lens, kv_lens = [s[0] for s in shapes], [s[1] for s in shapes]
+        k_cache, v_cache, bt, ks, vs = build_paged_cache(kv_lens, hkv, d, bs, g)
+        q = torch.randn(sum(q_lens), hq, d, generator=g)
+        cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+        lens = torch.tensor(kv_lens, dtype=torch.int32)
+        run = lambda: paged_attention_varlen(q, k_cache, v_cache, cu, lens, bt, d ** -0.5)  # noqa: E731
+        elapsed = time_it(run, args.repeats)
+        err = max((run()[cu[b]:cu[b + 1]] - dense_attention_reference(q[cu[b]:cu[b + 1]], ks[b], vs[b],
+                                                                        scale=d ** -0.5)).abs().max().item()
+                  for b in range(len(shapes)))
+        print(f"  {name:<22} {len(shapes):>9} {sum(q_lens):>10} {sum(kv_lens):>10} {elapsed * 1e3:>10.3f} "
+              f"{err:>10.1e}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -153,6 +179,7 @@ def main():
     g = torch.Generator().manual_seed(args.seed)
     show_correctness(args, g)
     show_timing(args, g)
+    show_varlen_timing(args, g)
 
 
 if __name__ == "__main__":

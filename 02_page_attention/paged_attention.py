@@ -36,6 +36,36 @@ def _check_gqa(num_q_heads: int, num_kv_heads: int) -> None:
         raise ValueError(f"q heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads}) for GQA")
 
 
+def _check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      lens: torch.Tensor, lens_name: str) -> None:
+    """Shape and dtype checks that need no device-to-host copy (so CUDA graphs may capture them).
+
+    Without them a one-row ``block_tables`` or ``lens`` would broadcast over the whole batch and
+    every sequence would silently attend to the first one's context.
+    """
+    if k_cache.dim() != 4 or k_cache.shape[3] != q.shape[-1]:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, kv_heads, {q.shape[-1]}], "
+                         f"got shape {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
+    _check_gqa(q.shape[1], k_cache.shape[2])
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    num_seqs = lens.shape[0] if lens.dim() == 1 else -1
+    if lens.dim() != 1 or lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{lens_name} must be a 1-D int32/int64 tensor, got {lens.dtype} of shape {tuple(lens.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype not in (torch.int32,
+                                                                                                 torch.int64):
+        raise ValueError(f"block_tables must be an int32/int64 [{num_seqs}, max_blocks] tensor (one row per "
+                         f"{lens_name} entry), got {block_tables.dtype} of shape {tuple(block_tables.shape)}")
+
+
+def _check_capacity(max_len: int, block_tables: torch.Tensor, block_size: int, lens_name: str) -> None:
+    if max_len > block_tables.shape[1] * block_size:
+        raise ValueError(f"{lens_name} reaches {max_len} tokens but block_tables has room for "
+                         f"{block_tables.shape[1]} blocks of {block_size}")
+
+
 def dense_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                               scale: float | None = None) -> torch.Tensor:
     """softmax(q kᵀ · scale) v for one sequence, in float32, the definition itself.
@@ -92,9 +122,15 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
-    _check_gqa(q.shape[1], k_cache.shape[2])
+    _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, "context_lens")
+    if context_lens.shape[0] != q.shape[0]:
+        raise ValueError(f"context_lens must have one entry per query ({q.shape[0]}), got {context_lens.shape[0]}")
+    if not context_lens.is_cuda and q.shape[0] and int(context_lens.min()) < 1:
+        # A CPU check only: on a GPU it would be a host sync, which CUDA graph capture forbids.
+        raise ValueError(f"context_lens must be >= 1 (a query needs a key to attend to), got {context_lens.tolist()}")
     if max_len is None:
         max_len = int(context_lens.max())
+    _check_capacity(max_len, block_tables, k_cache.shape[1], "context_lens")
     k = gather_kv(k_cache, block_tables, max_len).transpose(1, 2)  # [B, Hkv, L, D]
     v = gather_kv(v_cache, block_tables, max_len).transpose(1, 2)
     visible = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
@@ -122,12 +158,20 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
-    _check_gqa(q.shape[1], k_cache.shape[2])
+    _check_paged_args(q, k_cache, v_cache, block_tables, seq_lens_k, "seq_lens_k")
+    if cu_seqlens_q.dim() != 1:
+        raise ValueError(f"cu_seqlens_q must be 1-D [batch + 1], got shape {tuple(cu_seqlens_q.shape)}")
     cu = cu_seqlens_q.tolist()
     kv_lens = seq_lens_k.tolist()
     q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    if len(cu) != len(kv_lens) + 1 or cu[0] != 0 or cu[-1] != q.shape[0] or min(q_lens, default=0) < 0:
+        raise ValueError(f"cu_seqlens_q must rise from 0 to the {q.shape[0]} query tokens in "
+                         f"{len(kv_lens) + 1} entries, got {cu}")
     if any(ql > kl for ql, kl in zip(q_lens, kv_lens)):
         raise ValueError("seq_lens_k must be >= each sequence's number of new tokens (cu_seqlens_q)")
+    if min(kv_lens, default=1) < 1:
+        raise ValueError(f"seq_lens_k must be >= 1 (a query needs a key to attend to), got {kv_lens}")
+    _check_capacity(max(kv_lens, default=0), block_tables, k_cache.shape[1], "seq_lens_k")
     out = torch.empty_like(q)
     single = [b for b, ql in enumerate(q_lens) if ql == 1]
     if single:

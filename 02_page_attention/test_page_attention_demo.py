@@ -17,8 +17,11 @@ def test_demo_runs_and_every_path_matches_dense():
         errors = [float(x) for x in re.findall(r"\d\.\d\de[-+]\d\d", rows[name])]
         assert len(errors) == 2 and max(errors) < 1e-4, rows[name]
     assert "runs: torch" in out.stdout or "runs: triton" in out.stdout or "runs: flash" in out.stdout
-    timing = [line.split() for line in out.stdout.split("speed-up")[1].splitlines()[1:] if line.strip()]
+    decode_part, varlen_part = out.stdout.split("speed-up")[1].split("Varlen timing")
+    timing = [line.split() for line in decode_part.splitlines()[1:] if line.strip()]
     assert [int(r[0]) for r in timing] == [1, 4] and all(float(r[-1]) < 1e-4 for r in timing)
+    varlen = [line.split() for line in varlen_part.splitlines()[2:] if line.strip()]
+    assert len(varlen) == 4 and all(float(r[-1]) < 1e-4 for r in varlen), varlen_part
 
 
 def test_demo_help():

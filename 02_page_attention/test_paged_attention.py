@@ -77,3 +77,44 @@ def test_bad_shapes_raise_value_error():
         paged_attention_decode(torch.zeros(1, 4, 8), k_cache, k_cache, bt, torch.tensor([1]), 1.0)
     with pytest.raises(ValueError, match="seq_lens_k"):
         paged_attention_varlen(torch.zeros(3, 3, 8), k_cache, k_cache, torch.tensor([0, 3]), torch.tensor([2]), bt, 1.0)
+
+
+def test_decode_rejects_arguments_that_would_broadcast_or_mismatch():
+    k_cache = torch.zeros(4, 4, 2, 8)
+    q = torch.zeros(3, 4, 8)
+    bt = torch.zeros(3, 2, dtype=torch.int32)
+    lens = torch.tensor([1, 5, 8])
+    # One block-table row or one length for three queries would silently broadcast.
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_attention_decode(q, k_cache, k_cache, bt[:1], lens, 1.0)
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_attention_decode(q, k_cache, k_cache, bt, lens[:1], 1.0)
+    with pytest.raises(ValueError, match="context_lens"):
+        paged_attention_decode(q, k_cache, k_cache, bt[:2], lens[:2], 1.0)
+    with pytest.raises(ValueError, match="context_lens"):
+        paged_attention_decode(q, k_cache, k_cache, bt, torch.tensor([1, 0, 8]), 1.0)
+    with pytest.raises(ValueError, match="context_lens"):
+        paged_attention_decode(q, k_cache, k_cache, bt, torch.tensor([1, 5, 9]), 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_attention_decode(q, k_cache, k_cache.half(), bt, lens, 1.0)
+    with pytest.raises(ValueError, match="v_cache"):
+        paged_attention_decode(q, k_cache, k_cache[:2], bt, lens, 1.0)
+    with pytest.raises(ValueError, match="k_cache"):
+        paged_attention_decode(q, k_cache[..., :4], k_cache[..., :4], bt, lens, 1.0)
+
+
+def test_varlen_rejects_inconsistent_offsets_and_lengths():
+    k_cache = torch.zeros(4, 4, 2, 8)
+    q = torch.zeros(5, 2, 8)
+    bt = torch.zeros(2, 2, dtype=torch.int32)
+    lens = torch.tensor([3, 4])
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        paged_attention_varlen(q, k_cache, k_cache, torch.tensor([0, 3, 4]), lens, bt, 1.0)  # ends at 4, not 5
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        paged_attention_varlen(q, k_cache, k_cache, torch.tensor([0, 5]), lens, bt, 1.0)  # 1 sequence, 2 lengths
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        paged_attention_varlen(q, k_cache, k_cache, torch.tensor([1, 3, 5]), lens, bt, 1.0)
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_attention_varlen(q, k_cache, k_cache, torch.tensor([0, 3, 5]), lens, bt[:1], 1.0)
+    with pytest.raises(ValueError, match="seq_lens_k"):
+        paged_attention_varlen(q, k_cache, k_cache, torch.tensor([0, 3, 5]), torch.tensor([3, 9]), bt, 1.0)

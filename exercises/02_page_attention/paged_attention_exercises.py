@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from paged_attention import _check_gqa, gather_kv
-from paged_attention import _check_gqa, gather_kv, paged_attention_decode
+from paged_attention import _check_capacity, _check_gqa, _check_paged_args, gather_kv
+from paged_attention import _check_capacity, _check_gqa, _check_paged_args, gather_kv, paged_attention_decode
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -46,9 +46,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Returns:
         ``[B, Hq, D]`` in ``q``'s dtype.
 
-    Hint: gather_kv for K and V, mask positions at or past each context length, and let
-    scaled_dot_product_attention (enable_gqa=True) do the softmax; or write the softmax
-    yourself.
+    Hint: Validate first (_check_paged_args, a context length >= 1, _check_capacity): a one-row
+    block table would otherwise broadcast over the batch. Then gather_kv for K and V, mask
+    positions at or past each context length, and let scaled_dot_product_attention
+    (enable_gqa=True) do the softmax; or write the softmax yourself.
 
     Checked by: pytest 02_page_attention/ --impl=student --exercise 02.2
     """
