@@ -48,8 +48,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Hint: Validate first (_check_paged_args, a context length >= 1, _check_capacity): a one-row
     block table would otherwise broadcast over the batch. Then gather_kv for K and V, mask
-    positions at or past each context length, and let scaled_dot_product_attention
-    (enable_gqa=True) do the softmax; or write the softmax yourself.
+    positions at or past each context length, and let scaled_dot_product_attention do the
+    softmax (enable_gqa=True, or fold each kv head's G query heads into the query axis:
+    q.view(B, Hkv, G, D)); or write the softmax yourself.
 
     Checked by: pytest 02_page_attention/ --impl=student --exercise 02.2
     """
