@@ -32,7 +32,8 @@ def test_demo_toy_part():
 
 @pytest.mark.slow
 def test_demo_with_the_default_model():
-    result = _run(str(HERE / "demo.py"), "--rows", "20000", "--max-new-tokens", "12")
+    result = _run(str(HERE / "demo.py"), "--rows", "20000", "--max-new-tokens", "12",
+                  "--draft-tokens", "6")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("same output: True") == 2, result.stdout
     assert "n-gram" in result.stdout and "draft (4 layers)" in result.stdout
