@@ -98,7 +98,9 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> 
     block_size = cache.shape[1]
     num_blocks = -(-max_len // block_size)
     table = block_tables[:, :num_blocks].long().clamp(0, cache.shape[0] - 1)
-    gathered = cache[table]  # [B, num_blocks, block_size, Hkv, D]
+    # index_select copies each block as one contiguous row; advanced indexing (cache[table])
+    # copies element by element, about 6x slower on a CPU for bfloat16 blocks.
+    gathered = cache.index_select(0, table.flatten()).view(*table.shape, *cache.shape[1:])  # [B, nb, bs, Hkv, D]
     return gathered.flatten(1, 2)[:, :max_len]
 
 
