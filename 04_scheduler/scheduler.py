@@ -302,12 +302,16 @@ class Scheduler:
         if request.block_size != self.block_size:
             raise ValueError(f"request block_size={request.block_size} differs from the "
                              f"scheduler's {self.block_size}")
-        self._check_schedulable(request)
+        self.check_schedulable(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def _check_schedulable(self, request: Request) -> None:
-        """Raise ValueError if ``request`` could never run to its end under this scheduler."""
+    def check_schedulable(self, request: Request) -> None:
+        """Raise ValueError if ``request`` could never run to its end under this scheduler.
+
+        ``add_request`` calls it; an engine calls it too, to refuse a bad request before it
+        queues any of a batch.
+        """
         self._check_fits_in_cache(request)
         # Without chunking a prompt goes through in one step, and so does the recompute of a
         # preempted request (its prompt plus everything it generated): both must fit the budget.

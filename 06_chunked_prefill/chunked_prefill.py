@@ -54,7 +54,7 @@ class ChunkedPrefillScheduler(Scheduler):
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}")
         self.long_prefill_token_threshold = long_prefill_token_threshold or None
 
-    def _check_schedulable(self, request: Request) -> None:
+    def check_schedulable(self, request: Request) -> None:
         self._check_fits_in_cache(request)  # any prompt length: it goes through in chunks
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
