@@ -218,7 +218,7 @@ class LLMEngine:
         eos = [] if params.ignore_eos else self.eos_token_ids
         req = EngineRequest(request_id, token_ids, params, max_tokens, eos, self.config.kvcache_block_size,
                             self.tokenizer)
-        self.scheduler._check_schedulable(req)  # e.g. more KV blocks than the whole cache
+        self.scheduler.check_schedulable(req)  # e.g. more KV blocks than the whole cache
         return req
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
