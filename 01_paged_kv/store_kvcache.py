@@ -16,21 +16,9 @@ path) and :func:`store_kvcache_triton` (one Triton program per token, the GPU pa
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-if not torch.cuda.is_available():
-    # Must happen before triton is imported anywhere: kernels then run in Triton's interpreter.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # the torch path needs no Triton
-    HAS_TRITON = False
+from triton_setup import HAS_TRITON, tl, triton  # before any other triton import
 
 
 def _check_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

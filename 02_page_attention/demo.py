@@ -15,20 +15,16 @@ Run: ``python 02_page_attention/demo.py`` (a few seconds on a 2-core CPU).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported by the kernel module
-
-from attention_backends import select_backend  # noqa: E402
-from paged_attention import (dense_attention_reference, paged_attention_decode,  # noqa: E402
-                             paged_attention_varlen)
-from paged_attention_triton import paged_attention_decode_triton, paged_attention_varlen_triton  # noqa: E402
+from attention_backends import select_backend
+from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen
+from paged_attention_triton import paged_attention_decode_triton, paged_attention_varlen_triton
+from triton_setup import INTERPRETED
 
 
 def build_paged_cache(kv_lens, num_kv_heads, head_dim, block_size, generator, spare_blocks=4):
@@ -83,7 +79,7 @@ def show_correctness(args, g):
     varlen = {"torch": paged_attention_varlen(qv, k_cache, v_cache, cu, lens, bt, scale),
               "triton": paged_attention_varlen_triton(qv, k_cache, v_cache, cu, lens, bt, scale)}
 
-    triton_mode = "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "GPU"
+    triton_mode = "interpreter" if INTERPRETED else "GPU"
     print(f"\nMax |paged - dense| (float32; Triton runs in its {triton_mode}):")
     print(f"  {'path':<34} {'torch':>10} {'triton':>10}")
     print(f"  {'decode (1 new token, 4 seqs)':<34} {(decode['torch'] - dense).abs().max():>10.2e} "

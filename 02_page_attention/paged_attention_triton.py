@@ -26,26 +26,13 @@ imported): slow, exact, fine for the tiny shapes of the tests.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-if not torch.cuda.is_available():
-    # Must happen before triton is imported anywhere: kernels then run in Triton's interpreter.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # the torch path needs no Triton
-    HAS_TRITON = False
+from triton_setup import HAS_TRITON, INTERPRETED, tl, triton  # before any other triton import
 
 # Triton's interpreter keeps bfloat16 as raw uint16 bits and its tl.dot multiplies those bits
 # (triton-lang/triton#11584), so interpreted kernels compute in float32. On a GPU, 16-bit inputs
 # go to the tensor cores as they are, accumulating in float32.
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 # Tile sizes: 16 is the smallest side tl.dot accepts on a GPU; larger key tiles mean fewer loop
 # iterations (and, in the interpreter, fewer slow Python steps).

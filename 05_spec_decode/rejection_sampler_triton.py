@@ -10,18 +10,10 @@ Without a GPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from spec_decode import (PLACEHOLDER_TOKEN_ID, RejectionNoise, sample_rejection_noise,  # noqa: E402
-                         validate_rejection_inputs)
+from triton_setup import tl, triton  # before any other triton import
+from spec_decode import PLACEHOLDER_TOKEN_ID, RejectionNoise, sample_rejection_noise, validate_rejection_inputs
 
 
 @triton.jit
