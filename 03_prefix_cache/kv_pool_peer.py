@@ -24,6 +24,7 @@ import torch
 
 from global_kv_pool import EmbeddedKVPool, GlobalKVPool, MooncakeKVPool
 from kv_cache import allocate_kv_cache
+from paged_attention import paged_attention_decode
 from prefix_block_manager import PrefixCachingBlockManager
 from sequence import Sequence
 from store_kvcache import store_kvcache
@@ -50,19 +51,6 @@ class ToyKVModel:
         e = self.embed[:, :, torch.tensor(token_ids)]
         prefix_mean = e.cumsum(dim=2) / torch.arange(1, len(token_ids) + 1).view(1, 1, -1, 1, 1)
         return (e + prefix_mean).to(self.dtype)
-
-
-def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              block_table: list[int], context_len: int) -> torch.Tensor:
-    """One query token ``[heads, head_dim]`` attending to ``context_len`` cached tokens (GQA)."""
-    bs = k_cache.shape[1]
-    slots = torch.tensor([block_table[p // bs] * bs + p % bs for p in range(context_len)])
-    k = k_cache.flatten(0, 1)[slots].float()  # [ctx, kv_heads, head_dim]
-    v = v_cache.flatten(0, 1)[slots].float()
-    group = q.shape[0] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("hd,chd->hc", q.float(), k) / q.shape[-1] ** 0.5
-    return torch.einsum("hc,chd->hd", scores.softmax(dim=-1), v)
 
 
 class MiniEngine:
@@ -115,14 +103,17 @@ class MiniEngine:
 
     def attention(self, seq: Sequence) -> torch.Tensor:
         """``[layers, heads, head_dim]``: the last token's attention over the whole cached prompt."""
-        return torch.stack([paged_attention_reference(self.model.queries[l], self.kv_cache[0, l],
-                                                      self.kv_cache[1, l], seq.block_table, seq.num_tokens)
-                            for l in range(self.model.num_layers)])
+        block_tables = torch.tensor([seq.block_table], dtype=torch.int32)
+        context_lens = torch.tensor([seq.num_tokens], dtype=torch.int32)
+        m = self.model
+        return torch.stack([paged_attention_decode(m.queries[l][None].to(m.dtype), self.kv_cache[0, l],
+                                                   self.kv_cache[1, l], block_tables, context_lens,
+                                                   m.head_dim ** -0.5)[0]
+                            for l in range(m.num_layers)])
 
     def gather_kv(self, seq: Sequence) -> torch.Tensor:
         """The prompt's K/V ``[2, layers, tokens, kv_heads, head_dim]`` read through its block table."""
-        bs = self.block_manager.block_size
-        slots = torch.tensor([seq.block_table[p // bs] * bs + p % bs for p in range(seq.num_tokens)])
+        slots = torch.tensor(self.block_manager.slot_mapping(seq, 0, seq.num_tokens))
         return self.kv_cache.flatten(2, 3)[:, :, slots]
 
     def finish(self, seq: Sequence) -> None:
