@@ -185,16 +185,24 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         rows = torch.tensor([cu[b] for b in single], device=q.device)
         idx = torch.tensor(single, device=block_tables.device)
         out[rows] = paged_attention_decode(q[rows], k_cache, v_cache, block_tables[idx], seq_lens_k[idx], scale)
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
     for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
         if q_len <= 1:
             continue
-        k = gather_kv(k_cache, block_tables[b:b + 1], kv_len)[0].transpose(0, 1)  # [Hkv, kv_len, D]
-        v = gather_kv(v_cache, block_tables[b:b + 1], kv_len)[0].transpose(0, 1)
-        mask = None
-        if causal:
+        # GQA as a broadcast: K/V [Hkv, 1, kv_len, D] expanded (no copy) over the G query heads of
+        # each group ([Hkv, G, q_len, D]). With enable_gqa and a mask, a CPU falls back to SDPA's
+        # math path, about 2x slower here.
+        k = gather_kv(k_cache, block_tables[b:b + 1], kv_len)[0].transpose(0, 1).unsqueeze(1)
+        v = gather_kv(v_cache, block_tables[b:b + 1], kv_len)[0].transpose(0, 1).unsqueeze(1)
+        shape = (num_kv_heads, group, kv_len, head_dim)
+        qs = q[cu[b]:cu[b + 1]].reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        if causal and q_len < kv_len:  # new tokens after cached context: an explicit offset mask
             q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
             mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos
-        qs = q[cu[b]:cu[b + 1]].transpose(0, 1)  # [Hq, q_len, D]
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[cu[b]:cu[b + 1]] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, k.expand(shape), v.expand(shape), attn_mask=mask, scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(qs, k.expand(shape), v.expand(shape), is_causal=causal, scale=scale)
+        out[cu[b]:cu[b + 1]] = o.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_dim)
     return out
