@@ -11,12 +11,18 @@ with transformers (no hub), eager and with CUDA graphs.
 
 Throughput counts the tokens that were asked for (sum of max_tokens) over wall time, for both
 sides: transformers pads every request of a batch to the longest output, and that waste is its
-cost, not extra throughput.
+cost, not extra throughput. Both sides run in this process with the same ``torch`` thread count
+(``--threads``); the machine's load average is printed with the table, because other processes
+on a shared CPU slow both sides, and not always equally. ``--json PATH`` also writes the table
+(and the workload, threads and load) for the docs' figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
 import random
 import tempfile
 import time
@@ -88,6 +94,26 @@ def print_table(rows: list[tuple[str, float]], baseline: float | None) -> None:
         print(f"{name:<42}{tps:>14.1f}{ratio:>18}")
 
 
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def write_json(path: str, workload: dict, rows: list[tuple[str, float]], baseline: float | None,
+               load_before: str) -> None:
+    report = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                    "torch_threads": torch.get_num_threads(), "load_average_before": load_before,
+                    "load_average_after": load_average()},
+        "workload": workload,
+        "rows": [{"system": name, "output_tokens_per_s": round(tps, 2),
+                  "vs_transformers": round(tps / baseline, 3) if baseline else None} for name, tps in rows],
+    }
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true", help="nano-vllm's workload on a Qwen3-0.6B-shaped model (CUDA)")
@@ -101,7 +127,15 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for both sides (default: torch's own choice, the usable cores)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON")
     args = parser.parse_args()
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    load_before = load_average()
 
     if args.gpu:
         if not torch.cuda.is_available():
@@ -115,6 +149,10 @@ def main() -> None:
             rows.append((f"engine bf16 ({'eager' if eager else 'CUDA graphs'})", tps))
         print(f"\n{torch.cuda.get_device_name()}, Qwen3-0.6B-shaped random weights, 256 seqs, in/out 100-1024")
         print_table(rows, None)
+        if args.json:
+            write_json(args.json, {"model": "Qwen3-0.6B-shaped, random weights", "num_requests": 256,
+                                   "input_len": [100, 1024], "output_len": [100, 1024], "temperature": 0.6},
+                       rows, None, load_before)
         return
 
     from vllm_from_scratch import default_model_dir
@@ -133,9 +171,15 @@ def main() -> None:
            bench_transformers(model_dir, prompts, outputs, d, args.hf_batch_size)) for d in args.hf_dtypes]
     best_hf = max((t for _, t in hf), default=None)
     print(f"\n{args.num_requests} requests, prompts {args.input_len[0]}-{args.input_len[1]} tokens, "
-          f"{args.output_len[0]}-{args.output_len[1]} new tokens, greedy, ignore_eos; torch threads: "
-          f"{torch.get_num_threads()}")
+          f"{args.output_len[0]}-{args.output_len[1]} new tokens, greedy, ignore_eos; {os.cpu_count()} CPU cores, "
+          f"torch threads: {torch.get_num_threads()}; load average (1/5/15 min) before {load_before}, "
+          f"after {load_average()}")
     print_table(rows + hf, best_hf)
+    if args.json:
+        workload = {"model": model_dir, "num_requests": args.num_requests, "input_len": list(args.input_len),
+                    "output_len": list(args.output_len), "seed": args.seed, "temperature": 0.0,
+                    "engine_dtype": args.dtype, "hf_batch_size": args.hf_batch_size}
+        write_json(args.json, workload, rows + hf, best_hf, load_before)
 
 
 if __name__ == "__main__":
