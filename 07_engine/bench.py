@@ -98,10 +98,18 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def write_json(path: str, workload: dict, rows: list[tuple[str, float]], baseline: float | None,
                load_before: str) -> None:
     report = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     "torch_threads": torch.get_num_threads(), "load_average_before": load_before,
                     "load_average_after": load_average()},
