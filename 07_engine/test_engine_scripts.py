@@ -1,7 +1,9 @@
-"""The chapter's scripts keep running: the demo answers, and bench.py's --help works."""
+"""The chapter's scripts keep running: the demo answers, bench.py runs end to end and writes
+its JSON, and --help works."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -24,3 +26,25 @@ def test_demo_chats_offline():
 def test_scripts_have_help(script):
     out = subprocess.run([sys.executable, str(HERE / script), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "usage" in out.stdout
+
+
+@pytest.mark.slow
+def test_bench_runs_both_sides_and_writes_json(tiny_llama_dir, tmp_path):
+    # A tiny checkpoint and workload: this checks the script's plumbing, not a speed.
+    out_json = tmp_path / "bench.json"
+    cmd = [sys.executable, str(HERE / "bench.py"), "--model", str(tiny_llama_dir), "--num-requests", "3",
+           "--input-len", "4", "12", "--output-len", "2", "5", "--hf-batch-size", "2", "--threads", "1",
+           "--json", str(out_json)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "output tok/s" in out.stdout and "load average" in out.stdout
+    report = json.loads(out_json.read_text())
+    assert report["machine"]["torch_threads"] == 1
+    assert report["workload"]["num_requests"] == 3
+    systems = [row["system"] for row in report["rows"]]
+    assert systems[0] == "engine bfloat16"
+    assert [s.split(" (")[0] for s in systems[1:]] == ["transformers float32", "transformers bfloat16"]
+    assert all(row["output_tokens_per_s"] > 0 for row in report["rows"])
+    best = max(row["output_tokens_per_s"] for row in report["rows"][1:])
+    engine = report["rows"][0]
+    assert abs(engine["vs_transformers"] - engine["output_tokens_per_s"] / best) < 1e-2
