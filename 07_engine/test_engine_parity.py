@@ -125,3 +125,27 @@ def test_mixed_batches_with_decodes_and_late_arrivals(tiny_qwen3_dir):
     for i, p in enumerate(prompts):
         assert done[i] == hf_greedy(tiny_qwen3_dir, tuple(p))
     assert_no_leak(llm)
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_on_the_triton_kernels(tiny_llama_dir):
+    """The GPU attention path, run by Triton's interpreter: chapter 02's kernels inside the engine.
+
+    Prompts cross block boundaries and share a cached prefix, so both the varlen kernel (prefill,
+    prefix hit) and the decode kernel run; every layer is forced onto the "triton" backend.
+    """
+    from vllm_from_scratch.layers.attention import Attention
+
+    llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", device="cpu",
+              enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32)
+    layers = [m for m in llm.llm_engine.executor.runner.model.modules() if isinstance(m, Attention)]
+    assert layers
+    for layer in layers:
+        layer.backend = "triton"
+    prefix = make_prompts(3, (16,))[0]
+    prompts = [prefix + p for p in make_prompts(4, (3, 11))]
+    for prompt in prompts:  # one after the other: the second one hits the first one's prefix
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0]
+        assert out["token_ids"] == hf_greedy(tiny_llama_dir, tuple(prompt))[:6]
+    assert llm.llm_engine.get_stats()["prefix_cache_hits"] >= 16
+    assert_no_leak(llm)

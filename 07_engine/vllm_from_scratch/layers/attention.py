@@ -5,7 +5,8 @@ Both halves come from earlier chapters, by import:
 * chapter 01's ``store_kvcache`` scatters the new keys and values into their slots;
 * chapter 02's paged attention reads every cached token of each request through its block table
   (a decode kernel when every request brings one token, the varlen kernel otherwise, for
-  prefills, prefill chunks and mixed batches).
+  prefills, prefill chunks and mixed batches). Its dispatcher picks flash-attn or the Triton
+  kernels for CUDA tensors and the torch path for CPU tensors.
 
 The batch description travels as an explicit :class:`AttentionMetadata` argument, built once per
 step by the model runner and handed down through ``model.forward``; nano-vllm's module-level
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paged_attention import paged_attention_decode, paged_attention_varlen
+from attention_backends import paged_attention
 from store_kvcache import store_kvcache
 
 
@@ -57,6 +58,7 @@ class Attention(nn.Module):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+        self.backend = "auto"  # chapter 02's choice by device; tests may force "torch" or "triton"
         self.k_cache = self.v_cache = torch.tensor([])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
@@ -66,10 +68,9 @@ class Attention(nn.Module):
         if self.k_cache.numel() == 0:
             raise RuntimeError("the KV cache is not allocated: ModelRunner.allocate_kv_cache() binds it")
         store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
-        if md.is_decode:
-            o = paged_attention_decode(q, self.k_cache, self.v_cache, md.block_tables, md.seq_lens_k, self.scale,
-                                       max_len=md.max_seqlen_k)
-        else:
-            o = paged_attention_varlen(q, self.k_cache, self.v_cache, md.cu_seqlens_q, md.seq_lens_k,
-                                       md.block_tables, self.scale, causal=True)
+        # Chapter 02's dispatcher: flash-attn (or its Triton kernels) on CUDA, the torch path on a CPU;
+        # a batch of single tokens takes each backend's decode kernel.
+        o = paged_attention(q, self.k_cache, self.v_cache, md.cu_seqlens_q, md.seq_lens_k, md.block_tables,
+                            self.scale, max_seqlen_q=1 if md.is_decode else md.max_seqlen_q,
+                            backend=self.backend, max_seqlen_k=md.max_seqlen_k)
         return o.reshape(-1, self.num_heads * self.head_dim)
