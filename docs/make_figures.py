@@ -182,11 +182,12 @@ RECIPES = [
            ["06_chunked_prefill/bench_chunked_prefill.py", "--plot", ""], plot_chunked_prefill),
     Recipe("engine_throughput", "07_engine",
            "The engine vs transformers' generate on the default model",
-           "SmolLM2-135M-Instruct on the CPU, the same seeded workload for both: 16 requests, "
-           "prompts of 32-256 random tokens, 32-64 new tokens each, greedy, ignore_eos (a lighter "
-           "run than the chapter's default 32 requests, so that the figure regenerates in minutes). "
-           "Throughput = requested output tokens / wall time.",
-           ["07_engine/bench.py", "--num-requests", "16", "--output-len", "32", "64", "--hf-batch-size", "16"],
+           "SmolLM2-135M-Instruct in bfloat16 on the CPU, the same seeded serving-shaped workload for "
+           "both: 96 requests, prompts of 32-256 random tokens, 16-256 new tokens each, greedy, "
+           "ignore_eos, at most 32 at a time (the engine's max_num_seqs; transformers' static batches "
+           "of 32, left-padded, one after another). Throughput = requested output tokens / wall time.",
+           ["07_engine/bench.py", "--num-requests", "96", "--output-len", "16", "256", "--hf-batch-size", "32",
+            "--max-num-seqs", "32", "--hf-dtypes", "bfloat16"],
            plot_engine_throughput, timeout_s=1800),
 ]
 
