@@ -10,7 +10,6 @@ import asyncio
 import json
 import threading
 import time
-from dataclasses import dataclass
 
 import pytest
 from fastapi.testclient import TestClient
@@ -18,23 +17,11 @@ from transformers import AutoTokenizer
 
 from vllm_from_scratch.async_llm import AsyncLLM
 from vllm_from_scratch.default_model import default_model_dir
+from vllm_from_scratch.engine import RequestOutput
 from vllm_from_scratch.serve import _stream_events, build_app
 
 MODEL = "scripted"
 CRASH_TOKEN = 7  # a prompt containing this token id makes step() raise
-
-
-@dataclass
-class Out:
-    request_id: str
-    new_token_ids: list
-    token_ids: list
-    new_text: str
-    text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
 
 
 class ScriptedEngine:
@@ -82,7 +69,7 @@ class ScriptedEngine:
             done = len(r["out"]) >= r["params"].max_tokens
             if done:
                 del self.requests[rid]
-            outputs.append(Out(rid, [tok], list(r["out"]), piece,
+            outputs.append(RequestOutput(rid, [tok], list(r["out"]), piece,
                                "".join(self.tokenizer.decode([t]) for t in r["out"]), done,
                                "length" if done else None, len(r["prompt"]), 0))
         return outputs
