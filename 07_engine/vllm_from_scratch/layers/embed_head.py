@@ -15,6 +15,7 @@ from torch import nn
 
 from vllm_from_scratch.distributed import gather_to_first_rank
 from vllm_from_scratch.layers.linear import _check_tp
+from vllm_from_scratch.layers.prepacked import PrepackableWeight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -46,7 +47,7 @@ class VocabParallelEmbedding(nn.Module):
         return y
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(PrepackableWeight, VocabParallelEmbedding):
     """The output projection to vocabulary logits: rank 0 returns the full logits, other ranks
     None (a gather, not an all-gather: only rank 0 samples)."""
 
@@ -56,5 +57,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, **tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = gather_to_first_rank(F.linear(x, self.weight), self.tp_rank, self.tp_size, group=self.tp_group)
+        logits = gather_to_first_rank(self.matmul(x), self.tp_rank, self.tp_size, group=self.tp_group)
         return None if logits is None else logits[..., : self.num_embeddings]

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+
+from vllm_from_scratch.layers.prepacked import PrepackableWeight
 
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:
@@ -34,7 +35,7 @@ def _check_tp(tp_rank: int, tp_size: int) -> None:
         raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
 
 
-class LinearBase(nn.Module):
+class LinearBase(PrepackableWeight, nn.Module):
     """A linear layer whose weight is split along ``tp_dim`` (0: output rows, 1: input columns)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,
@@ -68,7 +69,7 @@ class ReplicatedLinear(LinearBase):
         param.data.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -84,7 +85,7 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard_size, shard_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -154,7 +155,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * shard_size, shard_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             dist.all_reduce(y, group=self.tp_group)
         return y
