@@ -17,6 +17,16 @@ if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
   fi
 fi
 
+# Chapter 02's CPU attention kernel is C++, compiled once below; without a compiler the engine
+# uses the (slower) torch path instead.
+if ! command -v c++ >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq g++ >/dev/null
+  else
+    echo "note: no C++ compiler; attention on the CPU will use the torch path" >&2
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -r requirements.txt
@@ -27,4 +37,6 @@ fi
 .venv/bin/python -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1 \
   || echo "note: Mooncake store not installable here; its tests will skip" >&2
 .venv/bin/python -m vllm_from_scratch.default_model
+.venv/bin/python 02_page_attention/paged_attention_cpu.py \
+  || echo "note: the C++ attention kernel did not build; attention on the CPU will use the torch path" >&2
 echo "set-up done: source .venv/bin/activate"

@@ -1,4 +1,4 @@
-"""One entry point for paged attention, three implementations behind it.
+"""One entry point for paged attention, four implementations behind it.
 
 :func:`paged_attention` takes the batch as the engine describes it (packed queries,
 ``cu_seqlens_q``, ``seq_lens_k``, ``block_tables``) and sends it to the best implementation
@@ -10,7 +10,9 @@ backend    when ``"auto"`` picks it                        module
 flash      CUDA tensors, flash-attn installed, float16 /   :mod:`flash_attention` (flash-attn 2)
            bfloat16, ``block_size`` a multiple of 256
 triton     CUDA tensors otherwise                          :mod:`paged_attention_triton`
-torch      CPU tensors                                     :mod:`paged_attention`
+cpp        CPU tensors, the C++ kernel builds, a head      :mod:`paged_attention_cpu` (decode rows;
+           size it was compiled for                        longer rows go to the torch varlen path)
+torch      CPU tensors otherwise                           :mod:`paged_attention`
 =========  =============================================  ==========================================
 
 A batch where every sequence brings exactly one token (``max_seqlen_q == 1``) takes each
@@ -24,10 +26,11 @@ import torch
 
 from flash_attention import FLASH_BLOCK_MULTIPLE, HAS_FLASH_ATTN, flash_decode, flash_varlen
 from paged_attention import paged_attention_decode, paged_attention_varlen
+from paged_attention_cpu import cpu_kernel_available, paged_attention_decode_cpu, supports
 from paged_attention_triton import (HAS_TRITON, INTERPRETED, paged_attention_decode_triton,
                                     paged_attention_varlen_triton)
 
-BACKENDS = ("auto", "flash", "triton", "torch")
+BACKENDS = ("auto", "flash", "triton", "cpp", "torch")
 
 
 def select_backend(q: torch.Tensor, k_cache: torch.Tensor, backend: str = "auto") -> str:
@@ -36,6 +39,8 @@ def select_backend(q: torch.Tensor, k_cache: torch.Tensor, backend: str = "auto"
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton" and not (HAS_TRITON and (q.is_cuda or INTERPRETED)):
         raise ValueError("backend 'triton' needs triton and CUDA tensors (or TRITON_INTERPRET=1 on a CPU)")
+    if backend == "cpp" and not (supports(q) and cpu_kernel_available()):
+        raise ValueError("backend 'cpp' needs CPU float tensors of a compiled head size and a C++ compiler")
     if backend != "auto":
         return backend
     if q.is_cuda:
@@ -45,7 +50,8 @@ def select_backend(q: torch.Tensor, k_cache: torch.Tensor, backend: str = "auto"
             return "flash"
         if HAS_TRITON:
             return "triton"
-    return "torch"
+        return "torch"
+    return "cpp" if supports(q) and cpu_kernel_available() else "torch"
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -75,6 +81,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             return flash_decode(q, k_cache, v_cache, block_tables, seq_lens_k, scale)
         if name == "triton":
             return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens_k, scale)
+        if name == "cpp":
+            return paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens_k, scale)
         return paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens_k, scale, max_len=max_seqlen_k)
     if name == "flash":
         if max_seqlen_k is None:
@@ -84,4 +92,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if name == "triton":
         return paged_attention_varlen_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                                              max_seqlen_q=max_seqlen_q)
-    return paged_attention_varlen(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale)
+    return paged_attention_varlen(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
+                                  decode=paged_attention_decode_cpu if name == "cpp" else None)

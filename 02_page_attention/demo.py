@@ -3,11 +3,12 @@
 1. A few sequences of uneven lengths are written into randomly chosen physical blocks (every other
    slot holds large garbage), and their block tables are printed.
 2. Decode (one new token each) and prefill with cached context (several new tokens after earlier
-   ones) are computed three ways: the torch paths, the Triton kernels (Triton's interpreter on a
-   CPU), and dense attention on the contiguous K/V; the largest differences are printed.
+   ones) are computed four ways: the torch paths, the Triton kernels (Triton's interpreter on a
+   CPU), the compiled C++ CPU kernel (decode rows; where it builds), and dense attention on the
+   contiguous K/V; the largest differences are printed.
 3. Timing tables: the torch decode path (one gather + one batched attention call) against a naive
-   loop that attends one sequence at a time, and the torch varlen path on prefill / chunked /
-   mixed batches.
+   loop that attends one sequence at a time and against the C++ kernel, and the torch varlen
+   path on prefill / chunked / mixed batches.
 
 Run: ``python 02_page_attention/demo.py`` (a few seconds on a 2-core CPU).
 """
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from attention_backends import select_backend
 from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen
+from paged_attention_cpu import cpu_kernel_available, paged_attention_decode_cpu
 from paged_attention_triton import paged_attention_decode_triton, paged_attention_varlen_triton
 from triton_setup import INTERPRETED
 
@@ -78,14 +80,15 @@ def show_correctness(args, g):
                          for b in range(len(kv_lens))])
     varlen = {"torch": paged_attention_varlen(qv, k_cache, v_cache, cu, lens, bt, scale),
               "triton": paged_attention_varlen_triton(qv, k_cache, v_cache, cu, lens, bt, scale)}
+    if cpu_kernel_available():
+        decode["C++"] = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, scale)
 
     triton_mode = "interpreter" if INTERPRETED else "GPU"
-    print(f"\nMax |paged - dense| (float32; Triton runs in its {triton_mode}):")
-    print(f"  {'path':<34} {'torch':>10} {'triton':>10}")
-    print(f"  {'decode (1 new token, 4 seqs)':<34} {(decode['torch'] - dense).abs().max():>10.2e} "
-          f"{(decode['triton'] - dense).abs().max():>10.2e}")
-    print(f"  {'prefill, new tokens ' + str(q_lens):<34} {(varlen['torch'] - dense_v).abs().max():>10.2e} "
-          f"{(varlen['triton'] - dense_v).abs().max():>10.2e}")
+    print(f"\nMax |paged - dense| (float32; Triton runs in its {triton_mode}; C++ is the compiled decode kernel):")
+    print(f"  {'path':<34}" + "".join(f" {name:>10}" for name in decode))
+    print(f"  {'decode (1 new token, 4 seqs)':<34}" + "".join(f" {(o - dense).abs().max():>10.2e}" for o in decode.values()))
+    print(f"  {'prefill, new tokens ' + str(q_lens):<34}"
+          + "".join(f" {(o - dense_v).abs().max():>10.2e}" for o in varlen.values()))
     print(f"  (the garbage in unused slots has magnitude ~100: reading one slot of it would show as an error >> 1)")
     print(f"  paged_attention(backend='auto') on these CPU tensors runs: {select_backend(q, k_cache)}")
 
@@ -117,7 +120,9 @@ def show_timing(args, g):
     print(f"\nDecode timing, torch, float32, torch threads {torch.get_num_threads()}, {hq} q / {hkv} kv heads, head_dim {d}, "
           f"block_size {bs}, contexts uniform in [{args.context_len // 2}, {args.context_len}] "
           f"(median of {args.repeats}):")
-    print(f"  {'batch':>5} {'batched (ms)':>13} {'per-seq loop (ms)':>18} {'speed-up':>9} {'max |diff|':>11}")
+    cpp = cpu_kernel_available()
+    print(f"  {'batch':>5} {'batched (ms)':>13} {'per-seq loop (ms)':>18} {'speed-up':>9}"
+          + (f" {'C++ kernel (ms)':>16} {'speed-up':>9}" if cpp else "") + f" {'max |diff|':>11}")
     for batch in args.batch_sizes:
         kv_lens = torch.randint(args.context_len // 2, args.context_len + 1, (batch,), generator=g).tolist()
         k_cache, v_cache, bt, _, _ = build_paged_cache(kv_lens, hkv, d, bs, g)
@@ -125,9 +130,14 @@ def show_timing(args, g):
         lens = torch.tensor(kv_lens, dtype=torch.int32)
         batched = time_it(lambda: paged_attention_decode(q, k_cache, v_cache, bt, lens, d ** -0.5), args.repeats)
         loop = time_it(lambda: naive_decode_loop(q, k_cache, v_cache, bt, lens, d ** -0.5), args.repeats)
-        diff = (paged_attention_decode(q, k_cache, v_cache, bt, lens, d ** -0.5)
-                - naive_decode_loop(q, k_cache, v_cache, bt, lens, d ** -0.5)).abs().max()
-        print(f"  {batch:>5} {batched * 1e3:>13.3f} {loop * 1e3:>18.3f} {loop / batched:>8.1f}x {diff:>11.1e}")
+        reference = naive_decode_loop(q, k_cache, v_cache, bt, lens, d ** -0.5)
+        diff = (paged_attention_decode(q, k_cache, v_cache, bt, lens, d ** -0.5) - reference).abs().max()
+        row = f"  {batch:>5} {batched * 1e3:>13.3f} {loop * 1e3:>18.3f} {loop / batched:>8.1f}x"
+        if cpp:
+            kernel = time_it(lambda: paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, d ** -0.5), args.repeats)
+            diff = max(diff, (paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, d ** -0.5) - reference).abs().max())
+            row += f" {kernel * 1e3:>16.3f} {batched / kernel:>8.1f}x"
+        print(row + f" {diff:>11.1e}")
 
 
 def show_varlen_timing(args, g):

@@ -6,6 +6,7 @@ import torch
 from attention_backends import paged_attention, select_backend
 from flash_attention import HAS_FLASH_ATTN
 from paged_attention import paged_attention_decode, paged_attention_varlen
+from paged_attention_cpu import cpu_kernel_available, paged_attention_decode_cpu
 from test_paged_attention import build_paged
 
 
@@ -17,13 +18,18 @@ def _batch(q_lens, kv_lens, dtype=torch.float32, device="cpu", hq=4, hkv=2, d=16
     return [t.to(device) for t in (q, k_cache, v_cache, cu, lens, bt)]
 
 
-def test_auto_picks_torch_on_cpu_and_equals_it():
+def test_auto_on_cpu_picks_the_cpp_kernel_where_it_builds_and_equals_its_parts():
     q, kc, vc, cu, lens, bt = _batch([5, 1, 3], [9, 6, 3])
-    assert select_backend(q, kc) == "torch"
+    expected = "cpp" if cpu_kernel_available() else "torch"
+    assert select_backend(q, kc) == expected
+    assert select_backend(q.double(), kc.double()) == "torch"  # a dtype the kernel was not compiled for
+    decode = paged_attention_decode_cpu if expected == "cpp" else None
     torch.testing.assert_close(paged_attention(q, kc, vc, cu, lens, bt, 0.25, max_seqlen_q=5),
-                               paged_attention_varlen(q, kc, vc, cu, lens, bt, 0.25), rtol=0, atol=0)
+                               paged_attention_varlen(q, kc, vc, cu, lens, bt, 0.25, decode=decode), rtol=0, atol=0)
     q, kc, vc, cu, lens, bt = _batch([1, 1, 1], [9, 6, 3])
     torch.testing.assert_close(paged_attention(q, kc, vc, cu, lens, bt, 0.25, max_seqlen_q=1),
+                               (decode or paged_attention_decode)(q, kc, vc, bt, lens, 0.25), rtol=0, atol=0)
+    torch.testing.assert_close(paged_attention(q, kc, vc, cu, lens, bt, 0.25, max_seqlen_q=1, backend="torch"),
                                paged_attention_decode(q, kc, vc, bt, lens, 0.25), rtol=0, atol=0)
 
 

@@ -128,11 +128,13 @@ def test_mixed_batches_with_decodes_and_late_arrivals(tiny_qwen3_dir):
 
 
 @pytest.mark.slow
-def test_greedy_matches_transformers_on_the_triton_kernels(tiny_llama_dir):
-    """The GPU attention path, run by Triton's interpreter: chapter 02's kernels inside the engine.
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_greedy_matches_transformers_on_each_attention_backend(tiny_llama_dir, backend):
+    """Chapter 02's other kernels inside the engine ("auto" on a CPU is the C++ decode kernel):
+    the GPU's Triton kernels, run by Triton's interpreter, and the plain torch path.
 
     Prompts cross block boundaries and share a cached prefix, so both the varlen kernel (prefill,
-    prefix hit) and the decode kernel run; every layer is forced onto the "triton" backend.
+    prefix hit) and the decode kernel run; every layer is forced onto ``backend``.
     """
     from vllm_from_scratch.layers.attention import Attention
 
@@ -141,7 +143,7 @@ def test_greedy_matches_transformers_on_the_triton_kernels(tiny_llama_dir):
     layers = [m for m in llm.llm_engine.executor.runner.model.modules() if isinstance(m, Attention)]
     assert layers
     for layer in layers:
-        layer.backend = "triton"
+        layer.backend = backend
     prefix = make_prompts(3, (16,))[0]
     prompts = [prefix + p for p in make_prompts(4, (3, 11))]
     for prompt in prompts:  # one after the other: the second one hits the first one's prefix

@@ -59,7 +59,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_tables: torch.Tensor,
-                           scale: float, causal: bool = True) -> torch.Tensor:
+                           scale: float, causal: bool = True, decode=None) -> torch.Tensor:
     """Packed new tokens of ``B`` sequences attending to their cached context and to each other.
 
     Args:
@@ -70,6 +70,8 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables: ``[B, max_blocks]`` int.
         scale: softmax scale.
         causal: mask keys after each query's absolute position.
+        decode: the decode function for the sequences with one new token (default
+            :func:`paged_attention_decode`; chapter 02's dispatcher passes the compiled CPU kernel).
 
     Returns:
         ``[T, Hq, D]`` in ``q``'s dtype.

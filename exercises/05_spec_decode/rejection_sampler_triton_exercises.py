@@ -8,8 +8,7 @@ the chapter's own; see exercises/README.md for how your function is put in place
 from __future__ import annotations
 
 import torch
-from spec_decode import (PLACEHOLDER_TOKEN_ID, RejectionNoise, sample_rejection_noise,  # noqa: E402
-                         validate_rejection_inputs)
+from spec_decode import PLACEHOLDER_TOKEN_ID, RejectionNoise, sample_rejection_noise, validate_rejection_inputs
 import triton
 import triton.language as tl
 

@@ -1,0 +1,80 @@
+"""The compiled CPU decode kernel equals dense attention and the torch path on fresh random inputs.
+
+Shapes hit the edges: a length of 1, lengths ending on and just past a block boundary, shuffled
+physical blocks with garbage (and -1) in every unused slot and table entry, GQA groups of 1, 4
+and 6, every compiled head size, float32 / bfloat16 / float16, and q taken as a strided slice of
+a fused QKV output.
+"""
+
+import pytest
+import torch
+
+from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen
+from paged_attention_cpu import HEAD_DIMS, cpu_kernel_available, paged_attention_decode_cpu
+from test_paged_attention import TOL, build_paged
+
+pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="the C++ kernel could not be built here "
+                                "(no C++ compiler?); the engine uses the torch path")
+TOL_CPU = {**TOL, torch.float16: dict(atol=5e-3, rtol=5e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_decode_kernel_matches_dense_and_torch(dtype, num_q_heads, num_kv_heads):
+    kv_lens, d, bs = [1, 7, 16, 17, 40], 32, 8
+    k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, num_kv_heads, d, bs, dtype, seed=11)
+    q = torch.randn(len(kv_lens), num_q_heads, d, generator=torch.Generator().manual_seed(12)).to(dtype)
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    out = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, d ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    for b in range(len(kv_lens)):
+        ref = dense_attention_reference(q[b:b + 1], ks[b], vs[b], causal=True, scale=d ** -0.5)
+        torch.testing.assert_close(out[b:b + 1].float(), ref.float(), **TOL_CPU[dtype])
+    if dtype != torch.float16:
+        torch.testing.assert_close(out.float(), paged_attention_decode(q, k_cache, v_cache, bt, lens, d ** -0.5).float(),
+                                   **TOL[dtype])
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_every_compiled_head_size_and_a_block_size_of_16(head_dim):
+    kv_lens = [3, 33, 100]
+    k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, 2, head_dim, 16, torch.bfloat16, seed=head_dim)
+    q = torch.randn(3, 6, head_dim, generator=torch.Generator().manual_seed(1)).bfloat16()
+    out = paged_attention_decode_cpu(q, k_cache, v_cache, bt, torch.tensor(kv_lens), head_dim ** -0.5)
+    for b in range(3):
+        ref = dense_attention_reference(q[b:b + 1], ks[b], vs[b], scale=head_dim ** -0.5)
+        torch.testing.assert_close(out[b:b + 1].float(), ref.float(), **TOL[torch.bfloat16])
+
+
+def test_strided_q_from_a_fused_qkv_and_varlen_decode_rows_use_it():
+    hq, hkv, d, bs = 8, 2, 16, 4
+    kv_lens = [5, 9, 1]
+    k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, hkv, d, bs, torch.float32, seed=21)
+    qkv = torch.randn(3, (hq + 2 * hkv) * d)
+    q = qkv[:, : hq * d].view(3, hq, d)  # rows strided by the fused width, as the engine slices it
+    lens = torch.tensor(kv_lens)
+    out = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, 0.25)
+    torch.testing.assert_close(out, paged_attention_decode(q, k_cache, v_cache, bt, lens, 0.25), **TOL[torch.float32])
+    cu = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    varlen = paged_attention_varlen(q, k_cache, v_cache, cu, lens, bt, 0.25, decode=paged_attention_decode_cpu)
+    assert torch.equal(varlen, out)
+
+
+def test_bad_arguments_raise_value_error_naming_them():
+    k_cache, v_cache, bt, _, _ = build_paged([5, 3], 2, 16, 4, torch.float32, seed=3)
+    q = torch.randn(2, 4, 16)
+    with pytest.raises(ValueError, match="context_lens"):
+        paged_attention_decode_cpu(q, k_cache, v_cache, bt, torch.tensor([5, 0]), 1.0)
+    with pytest.raises(ValueError, match="context_lens"):
+        paged_attention_decode_cpu(q, k_cache, v_cache, bt, torch.tensor([5, 64]), 1.0)
+    bad = bt.clone()
+    bad[1, 0] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_attention_decode_cpu(q, k_cache, v_cache, bad, torch.tensor([5, 3]), 1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_attention_decode_cpu(torch.randn(2, 4, 12), k_cache[..., :12], v_cache[..., :12], bt,
+                                   torch.tensor([5, 3]), 1.0)
+    with pytest.raises(ValueError, match="kv heads"):
+        paged_attention_decode_cpu(torch.randn(2, 3, 16), k_cache, v_cache, bt, torch.tensor([5, 3]), 1.0)
+    assert paged_attention_decode_cpu(q[:0], k_cache, v_cache, bt[:0], torch.tensor([], dtype=torch.int32),
+                                      1.0).shape == (0, 4, 16)
