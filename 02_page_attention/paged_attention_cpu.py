@@ -32,6 +32,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 
 import torch
 
@@ -71,9 +72,12 @@ def load_cpu_kernel():
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             pass
-    flags = ["-O3", "-ffast-math", "-fopenmp-simd"]
+    flags = ["-O3", "-ffast-math"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags.append("-march=native")
+    # at::parallel_for is an inline OpenMP loop: without -fopenmp it would run on one thread.
+    # On Linux the extension then shares torch's own libgomp.so.1 (same soname, loaded first).
+    flags.append("-fopenmp" if sys.platform.startswith("linux") else "-fopenmp-simd")
     return load(name=f"vfs_paged_attention_cpu_{_cpu_fingerprint()}", sources=[SOURCE], extra_cflags=flags,
                 verbose=False)
 

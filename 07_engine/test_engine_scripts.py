@@ -33,8 +33,8 @@ def test_bench_runs_both_sides_and_writes_json(tiny_llama_dir, tmp_path):
     # A tiny checkpoint and workload: this checks the script's plumbing, not a speed.
     out_json = tmp_path / "bench.json"
     cmd = [sys.executable, str(HERE / "bench.py"), "--model", str(tiny_llama_dir), "--num-requests", "3",
-           "--input-len", "4", "12", "--output-len", "2", "5", "--hf-batch-size", "2", "--threads", "1",
-           "--json", str(out_json)]
+           "--input-len", "4", "12", "--output-len", "2", "5", "--hf-batch-sizes", "2", "3", "--threads", "1",
+           "--hf-dtypes", "float32", "bfloat16", "--json", str(out_json)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "output tok/s" in out.stdout and "load average" in out.stdout
@@ -43,7 +43,7 @@ def test_bench_runs_both_sides_and_writes_json(tiny_llama_dir, tmp_path):
     assert report["workload"]["num_requests"] == 3
     systems = [row["system"] for row in report["rows"]]
     assert systems[0] == "engine bfloat16"
-    assert [s.split(" (")[0] for s in systems[1:]] == ["transformers float32", "transformers bfloat16"]
+    assert systems[1:] == [f"transformers {d} (batch {b}, left pad)" for d in ("float32", "bfloat16") for b in (2, 3)]
     assert all(row["output_tokens_per_s"] > 0 for row in report["rows"])
     best = max(row["output_tokens_per_s"] for row in report["rows"][1:])
     engine = report["rows"][0]

@@ -183,11 +183,11 @@ RECIPES = [
     Recipe("engine_throughput", "07_engine",
            "The engine vs transformers' generate on the default model",
            "SmolLM2-135M-Instruct in bfloat16 on the CPU, the same seeded serving-shaped workload for "
-           "both: 96 requests, prompts of 32-256 random tokens, 16-256 new tokens each, greedy, "
-           "ignore_eos, at most 32 at a time (the engine's max_num_seqs; transformers' static batches "
-           "of 32, left-padded, one after another). Throughput = requested output tokens / wall time.",
-           ["07_engine/bench.py", "--num-requests", "96", "--output-len", "16", "256", "--hf-batch-size", "32",
-            "--max-num-seqs", "32", "--hf-dtypes", "bfloat16"],
+           "both: 128 requests, prompts of 32-256 random tokens, 16-256 new tokens each, greedy, "
+           "ignore_eos. The engine takes them all at once (continuous batching); transformers runs "
+           "left-padded static batches of 16, 32, 64 and 128, one after another. Throughput = "
+           "requested output tokens / wall time.",
+           ["07_engine/bench.py", "--hf-batch-sizes", "16", "32", "64", "128"],
            plot_engine_throughput, timeout_s=1800),
 ]
 
