@@ -6,6 +6,10 @@ and 6, every compiled head size, float32 / bfloat16 / float16, and q taken as a 
 a fused QKV output.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -13,11 +17,12 @@ from paged_attention import dense_attention_reference, paged_attention_decode, p
 from paged_attention_cpu import HEAD_DIMS, cpu_kernel_available, paged_attention_decode_cpu
 from test_paged_attention import TOL, build_paged
 
-pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="the C++ kernel could not be built here "
-                                "(no C++ compiler?); the engine uses the torch path")
+needs_kernel = pytest.mark.skipif(not cpu_kernel_available(), reason="the C++ kernel could not be built here "
+                                  "(no C++ compiler?); the engine uses the torch path")
 TOL_CPU = {**TOL, torch.float16: dict(atol=5e-3, rtol=5e-3)}
 
 
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 def test_decode_kernel_matches_dense_and_torch(dtype, num_q_heads, num_kv_heads):
@@ -35,6 +40,7 @@ def test_decode_kernel_matches_dense_and_torch(dtype, num_q_heads, num_kv_heads)
                                    **TOL[dtype])
 
 
+@needs_kernel
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_every_compiled_head_size_and_a_block_size_of_16(head_dim):
     kv_lens = [3, 33, 100]
@@ -46,6 +52,7 @@ def test_every_compiled_head_size_and_a_block_size_of_16(head_dim):
         torch.testing.assert_close(out[b:b + 1].float(), ref.float(), **TOL[torch.bfloat16])
 
 
+@needs_kernel
 def test_strided_q_from_a_fused_qkv_and_varlen_decode_rows_use_it():
     hq, hkv, d, bs = 8, 2, 16, 4
     kv_lens = [5, 9, 1]
@@ -60,6 +67,7 @@ def test_strided_q_from_a_fused_qkv_and_varlen_decode_rows_use_it():
     assert torch.equal(varlen, out)
 
 
+@needs_kernel
 def test_bad_arguments_raise_value_error_naming_them():
     k_cache, v_cache, bt, _, _ = build_paged([5, 3], 2, 16, 4, torch.float32, seed=3)
     q = torch.randn(2, 4, 16)
@@ -78,3 +86,16 @@ def test_bad_arguments_raise_value_error_naming_them():
         paged_attention_decode_cpu(torch.randn(2, 3, 16), k_cache, v_cache, bt, torch.tensor([5, 3]), 1.0)
     assert paged_attention_decode_cpu(q[:0], k_cache, v_cache, bt[:0], torch.tensor([], dtype=torch.int32),
                                       1.0).shape == (0, 4, 16)
+
+
+def test_without_a_compiler_the_dispatcher_keeps_the_torch_path(tmp_path):
+    """A machine that cannot build the kernel warns once and runs the torch path, not an error."""
+    code = ("import torch\n"
+            "from paged_attention_cpu import cpu_kernel_available\n"
+            "from attention_backends import select_backend\n"
+            "assert not cpu_kernel_available()\n"
+            "assert select_backend(torch.randn(2, 4, 16), torch.randn(3, 4, 2, 16)) == 'torch'\n")
+    env = dict(os.environ, CXX="/bin/false", TORCH_EXTENSIONS_DIR=str(tmp_path), VFS_CPU_ATTENTION_KERNEL="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "could not be built" in out.stderr
