@@ -56,7 +56,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
       for (int d = 0; d < D; ++d) query[d] = to_float(q[item * D + d]) * scale;
 
       // Scores q . k for every cached token, block by block, and their maximum.
-      float max_score = -std::numeric_limits<float>::infinity();
+      float max_score = std::numeric_limits<float>::lowest();  // finite: -ffast-math assumes no infinities
       for (int64_t start = 0, b = 0; start < len; start += s.block_size, ++b) {
         const T* keys = k_cache + table[b] * block_stride + kv_head * D;
         const int64_t n = std::min(s.block_size, len - start);
