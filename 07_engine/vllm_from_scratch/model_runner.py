@@ -59,7 +59,7 @@ class ModelRunner:
         self.tp_group = tp_group
         self.model = get_model(config.model_dir, config.torch_dtype, self.device, tp_rank,
                                config.tensor_parallel_size, tp_group, config=config.hf_config)
-        prepack_model(self.model)  # bf16 on a CPU: weights packed once for oneDNN (layers/prepacked.py)
+        prepack_model(self.model)  # on a CPU: weights packed once for oneDNN (layers/prepacked.py)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.kv_cache = None
