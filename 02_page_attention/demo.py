@@ -89,7 +89,7 @@ def show_correctness(args, g):
     print(f"  {'decode (1 new token, 4 seqs)':<34}" + "".join(f" {(o - dense).abs().max():>10.2e}" for o in decode.values()))
     print(f"  {'prefill, new tokens ' + str(q_lens):<34}"
           + "".join(f" {(o - dense_v).abs().max():>10.2e}" for o in varlen.values()))
-    print(f"  (the garbage in unused slots has magnitude ~100: reading one slot of it would show as an error >> 1)")
+    print("  (the garbage in unused slots has magnitude ~100: reading one slot of it would show as an error >> 1)")
     print(f"  paged_attention(backend='auto') on these CPU tensors runs: {select_backend(q, k_cache)}")
 
 

@@ -32,16 +32,27 @@ def build_paged(kv_lens, num_kv_heads, head_dim, block_size, dtype, seed):
     return k_cache, v_cache, block_tables, ks, vs
 
 
+def decode_batch(num_q_heads, num_kv_heads, dtype, seed, kv_lens=(1, 7, 16, 17, 40), head_dim=32, block_size=8):
+    """One new query per sequence over build_paged's cache (default lengths: 1, and on and one
+    past a block boundary). Returns ``q, k_cache, v_cache, block_tables, lens, ks, vs``."""
+    k_cache, v_cache, bt, ks, vs = build_paged(list(kv_lens), num_kv_heads, head_dim, block_size, dtype, seed=seed)
+    q = torch.randn(len(kv_lens), num_q_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    return q, k_cache, v_cache, bt, torch.tensor(kv_lens, dtype=torch.int32), ks, vs
+
+
+def assert_each_sequence_matches_dense(out, q, ks, vs, scale, tol):
+    """Row ``b`` of a decode output equals dense attention over sequence ``b``'s own K/V."""
+    for b in range(len(ks)):
+        ref = dense_attention_reference(q[b:b + 1], ks[b], vs[b], causal=True, scale=scale)
+        torch.testing.assert_close(out[b:b + 1].float(), ref.float(), **tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 def test_decode_matches_dense(dtype, num_q_heads, num_kv_heads):
-    kv_lens, d, bs = [1, 7, 16, 17, 40], 32, 8
-    k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, num_kv_heads, d, bs, dtype, seed=1)
-    q = torch.randn(len(kv_lens), num_q_heads, d, generator=torch.Generator().manual_seed(2)).to(dtype)
-    out = paged_attention_decode(q, k_cache, v_cache, bt, torch.tensor(kv_lens, dtype=torch.int32), d ** -0.5)
-    for b, n in enumerate(kv_lens):
-        ref = dense_attention_reference(q[b:b + 1], ks[b], vs[b], causal=True, scale=d ** -0.5)
-        torch.testing.assert_close(out[b:b + 1].float(), ref.float(), **TOL[dtype])
+    q, k_cache, v_cache, bt, lens, ks, vs = decode_batch(num_q_heads, num_kv_heads, dtype, seed=1)
+    out = paged_attention_decode(q, k_cache, v_cache, bt, lens, 32 ** -0.5)
+    assert_each_sequence_matches_dense(out, q, ks, vs, 32 ** -0.5, TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

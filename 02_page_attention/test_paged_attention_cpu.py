@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
-from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen
+from paged_attention import paged_attention_decode, paged_attention_varlen
 from paged_attention_cpu import HEAD_DIMS, cpu_kernel_available, paged_attention_decode_cpu
-from test_paged_attention import TOL, build_paged
+from test_paged_attention import TOL, assert_each_sequence_matches_dense, build_paged, decode_batch
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel_available(), reason="the C++ kernel could not be built here "
                                   "(no C++ compiler?); the engine uses the torch path")
@@ -26,30 +26,22 @@ TOL_CPU = {**TOL, torch.float16: dict(atol=5e-3, rtol=5e-3)}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 def test_decode_kernel_matches_dense_and_torch(dtype, num_q_heads, num_kv_heads):
-    kv_lens, d, bs = [1, 7, 16, 17, 40], 32, 8
-    k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, num_kv_heads, d, bs, dtype, seed=11)
-    q = torch.randn(len(kv_lens), num_q_heads, d, generator=torch.Generator().manual_seed(12)).to(dtype)
-    lens = torch.tensor(kv_lens, dtype=torch.int32)
-    out = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, d ** -0.5)
+    q, k_cache, v_cache, bt, lens, ks, vs = decode_batch(num_q_heads, num_kv_heads, dtype, seed=11)
+    out = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, 32 ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
-    for b in range(len(kv_lens)):
-        ref = dense_attention_reference(q[b:b + 1], ks[b], vs[b], causal=True, scale=d ** -0.5)
-        torch.testing.assert_close(out[b:b + 1].float(), ref.float(), **TOL_CPU[dtype])
+    assert_each_sequence_matches_dense(out, q, ks, vs, 32 ** -0.5, TOL_CPU[dtype])
     if dtype != torch.float16:
-        torch.testing.assert_close(out.float(), paged_attention_decode(q, k_cache, v_cache, bt, lens, d ** -0.5).float(),
+        torch.testing.assert_close(out.float(), paged_attention_decode(q, k_cache, v_cache, bt, lens, 32 ** -0.5).float(),
                                    **TOL[dtype])
 
 
 @needs_kernel
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_every_compiled_head_size_and_a_block_size_of_16(head_dim):
-    kv_lens = [3, 33, 100]
-    k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, 2, head_dim, 16, torch.bfloat16, seed=head_dim)
-    q = torch.randn(3, 6, head_dim, generator=torch.Generator().manual_seed(1)).bfloat16()
-    out = paged_attention_decode_cpu(q, k_cache, v_cache, bt, torch.tensor(kv_lens), head_dim ** -0.5)
-    for b in range(3):
-        ref = dense_attention_reference(q[b:b + 1], ks[b], vs[b], scale=head_dim ** -0.5)
-        torch.testing.assert_close(out[b:b + 1].float(), ref.float(), **TOL[torch.bfloat16])
+    q, k_cache, v_cache, bt, lens, ks, vs = decode_batch(6, 2, torch.bfloat16, seed=head_dim, kv_lens=(3, 33, 100),
+                                                         head_dim=head_dim, block_size=16)
+    out = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, head_dim ** -0.5)
+    assert_each_sequence_matches_dense(out, q, ks, vs, head_dim ** -0.5, TOL[torch.bfloat16])
 
 
 @needs_kernel

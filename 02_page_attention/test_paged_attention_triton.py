@@ -12,7 +12,7 @@ import torch
 
 from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen
 from paged_attention_triton import paged_attention_decode_triton, paged_attention_varlen_triton
-from test_paged_attention import TOL, build_paged
+from test_paged_attention import TOL, assert_each_sequence_matches_dense, build_paged, decode_batch
 
 
 def _cu(q_lens):
@@ -22,17 +22,12 @@ def _cu(q_lens):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (8, 2), (6, 1)])
 def test_decode_triton_matches_torch_and_dense(dtype, num_q_heads, num_kv_heads):
-    kv_lens, d, bs = [1, 7, 16, 17, 40], 32, 8
-    k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, num_kv_heads, d, bs, dtype, seed=11)
-    q = torch.randn(len(kv_lens), num_q_heads, d, generator=torch.Generator().manual_seed(12)).to(dtype)
-    lens = torch.tensor(kv_lens, dtype=torch.int32)
-    out = paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, d ** -0.5)
+    q, k_cache, v_cache, bt, lens, ks, vs = decode_batch(num_q_heads, num_kv_heads, dtype, seed=11)
+    out = paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, 32 ** -0.5)
     assert out.shape == q.shape and out.dtype == dtype
-    torch.testing.assert_close(out.float(), paged_attention_decode(q, k_cache, v_cache, bt, lens, d ** -0.5).float(),
+    torch.testing.assert_close(out.float(), paged_attention_decode(q, k_cache, v_cache, bt, lens, 32 ** -0.5).float(),
                                **TOL[dtype])
-    for b in range(len(kv_lens)):
-        ref = dense_attention_reference(q[b:b + 1], ks[b], vs[b], causal=True, scale=d ** -0.5)
-        torch.testing.assert_close(out[b:b + 1].float(), ref.float(), **TOL[dtype])
+    assert_each_sequence_matches_dense(out, q, ks, vs, 32 ** -0.5, TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

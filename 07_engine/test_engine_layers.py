@@ -65,6 +65,7 @@ def test_float32_packing_agrees_to_rounding_and_other_dtypes_are_not_packed():
     torch.manual_seed(0)
     weight, x = torch.randn(96, 80), torch.randn(33, 80)
     packed = pack_weight(weight)
+    assert (packed is not None) == can_pack(weight)
     if packed is not None:  # a oneDNN build with the ops
         torch.testing.assert_close(linear(x, weight, None, packed), x @ weight.T, atol=1e-4, rtol=1e-5)
     for other in (weight.double(), weight.half(), weight[0]):
