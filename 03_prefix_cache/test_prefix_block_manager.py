@@ -22,6 +22,14 @@ def run_prefill(bm: PrefixCachingBlockManager, seq: Sequence) -> list[int]:
     return hits
 
 
+def free_all_and_check(bm: PrefixCachingBlockManager, *seqs: Sequence) -> None:
+    """Free every sequence: no block may stay held, and the manager's invariants must hold."""
+    for seq in seqs:
+        bm.free(seq)
+    assert bm.all_blocks_free()
+    bm.check_invariants()
+
+
 def test_is_a_block_manager():
     assert issubclass(PrefixCachingBlockManager, BlockManager)
 
@@ -35,10 +43,7 @@ def test_second_request_hits_shared_prefix():
     assert hits == a.block_table[:2]
     assert [bm.blocks[h].ref_count for h in hits] == [2, 2]
     bm.check_invariants()
-    bm.free(a)
-    bm.free(b)
-    assert bm.all_blocks_free()
-    bm.check_invariants()
+    free_all_and_check(bm, a, b)
 
 
 def test_hit_is_capped_so_last_token_is_recomputed():
@@ -169,10 +174,7 @@ def test_concurrent_duplicate_prefix_is_not_double_registered():
         bm.cache_full_blocks(s)
     assert bm.num_cached_blocks == 2
     bm.check_invariants()
-    bm.free(a)
-    bm.free(b)
-    assert bm.all_blocks_free()
-    bm.check_invariants()
+    free_all_and_check(bm, a, b)
 
 
 def test_nano_vllm_wrappers_use_the_cache():
@@ -270,8 +272,6 @@ def test_randomized_shared_prefixes(seed):
             for i, block_id in enumerate(seq.block_table[:seq.num_computed_tokens // bs]):
                 for off in range(bs):
                     assert fake_kv[block_id * bs + off] == tuple(seq.token_ids[:i * bs + off + 1])
-    for seq in live:
-        bm.free(seq)
-    assert bm.all_blocks_free()
+    free_all_and_check(bm, *live)
     bm.check_invariants()
     assert 0 < bm.prefix_cache_hits <= bm.prefix_cache_queries

@@ -49,26 +49,25 @@ class LayerCheckRunner:
     def _load(self, param, *args):
         param.weight_loader(param, *args)
 
-    def column(self, seed: int, in_f: int = 8, out_f: int = 12, bias: bool = True):
+    def _loaded_linear(self, cls, seed: int, in_f: int, out_f: int, bias: bool):
+        """``cls`` with this rank's slice of a full random weight (and bias) loaded, the full
+        weight's reference output, and the input."""
         g = torch.Generator().manual_seed(seed)
         w, b, x = torch.randn(out_f, in_f, generator=g), torch.randn(out_f, generator=g), torch.randn(5, in_f, generator=g)
-        layer = ColumnParallelLinear(in_f, out_f, bias=bias, **self.tp)
+        layer = cls(in_f, out_f, bias=bias, **self.tp)
         self._load(layer.weight, w)
         if bias:
             self._load(layer.bias, b)
-        y = gather_to_first_rank(layer(x), self.rank, self.size)
-        return y, F.linear(x, w, b if bias else None)
+        return layer, F.linear(x, w, b if bias else None), x
+
+    def column(self, seed: int, in_f: int = 8, out_f: int = 12, bias: bool = True):
+        layer, expected, x = self._loaded_linear(ColumnParallelLinear, seed, in_f, out_f, bias)
+        return gather_to_first_rank(layer(x), self.rank, self.size), expected
 
     def row(self, seed: int, in_f: int = 12, out_f: int = 8, bias: bool = True):
-        g = torch.Generator().manual_seed(seed)
-        w, b, x = torch.randn(out_f, in_f, generator=g), torch.randn(out_f, generator=g), torch.randn(5, in_f, generator=g)
-        layer = RowParallelLinear(in_f, out_f, bias=bias, **self.tp)
-        self._load(layer.weight, w)
-        if bias:
-            self._load(layer.bias, b)
+        layer, expected, x = self._loaded_linear(RowParallelLinear, seed, in_f, out_f, bias)
         # Row-parallel input arrives already split (it is a column layer's output).
-        x_local = x.chunk(self.size, dim=-1)[self.rank]
-        return layer(x_local), F.linear(x, w, b if bias else None)
+        return layer(x.chunk(self.size, dim=-1)[self.rank]), expected
 
     def qkv(self, seed: int, hidden: int = 16, head: int = 4, heads: int = 4, kv_heads: int = 2):
         g = torch.Generator().manual_seed(seed)
