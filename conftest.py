@@ -1,7 +1,9 @@
 """Book-wide pytest set-up, shared by every chapter's tests.
 
-Triton kernels need a GPU; without one they run in Triton's interpreter, which must be switched
-on before any kernel module is imported, so it is decided here, once, for every chapter.
+Triton kernels need a GPU; without one they run in Triton's interpreter, switched on by
+``TRITON_INTERPRET=1`` before any kernel module is imported. The book's modules only read that
+variable (no import changes the process's environment), so the test harness sets it here, once,
+for every chapter's tests and the scripts they start; a value already set is kept.
 
 The fixtures build tiny random Hugging Face checkpoints (Llama and Qwen3) in a temporary
 directory, so chapters 05 and 07 can compare against transformers without any download.
@@ -64,9 +66,9 @@ def tiny_qwen3_dir(tmp_path_factory):
 
 
 # ---- Classroom exercises (exercises/README.md, docs/teaching.md) ---------------------------------
-# `pytest 01_paged_kv/ --impl=student [--exercise 01.2]` (or VFS_IMPL=student) runs a chapter's own
-# tests against the student's stubs in exercises/ instead of the reference code. The mechanism
-# lives beside the stubs; it is loaded by path because exercises/ is not on sys.path.
+# `pytest 01_paged_kv/ --impl=student [--exercise 01.2]` (or VLLM_FS_IMPL=student) runs a
+# chapter's own tests against the student's stubs in exercises/ instead of the reference code. The
+# mechanism lives beside the stubs; it is loaded by path because exercises/ is not on sys.path.
 def _load_exercise_plugin():
     import importlib.util
     import sys

@@ -16,17 +16,24 @@ Run: ``python 02_page_attention/demo.py`` (a few seconds on a 2-core CPU).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from attention_backends import select_backend
-from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen
-from paged_attention_cpu import cpu_kernel_available, paged_attention_decode_cpu
-from paged_attention_triton import paged_attention_decode_triton, paged_attention_varlen_triton
-from triton_setup import INTERPRETED
+# Part 2 runs the Triton kernels; without a GPU only Triton's interpreter can. Triton reads this
+# variable when a kernel is defined, i.e. when its module is imported, so it must be set here,
+# before the imports below; the book's modules only read it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from attention_backends import select_backend  # noqa: E402
+from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen  # noqa: E402
+from paged_attention_cpu import cpu_kernel_available, paged_attention_decode_cpu  # noqa: E402
+from paged_attention_triton import paged_attention_decode_triton, paged_attention_varlen_triton  # noqa: E402
+from triton_setup import INTERPRETED  # noqa: E402
 
 
 def build_paged_cache(kv_lens, num_kv_heads, head_dim, block_size, generator, spare_blocks=4):

@@ -20,8 +20,9 @@ Two kernels, the same two entry points as the torch module, with the same signat
 
 Key tiles are decoupled from KV blocks (a tile may span several blocks, or part of one), so any
 ``block_size`` works, including ones smaller than the 16 rows ``tl.dot`` needs on a GPU. Without a
-GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set below before triton is
-imported): slow, exact, fine for the tiny shapes of the tests.
+GPU the kernels run in Triton's interpreter when the process sets ``TRITON_INTERPRET=1`` before
+importing this module (the test harness and the demo do): slow, exact, fine for the tiny shapes
+of the tests.
 """
 
 from __future__ import annotations

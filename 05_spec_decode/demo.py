@@ -14,6 +14,9 @@ import argparse
 import os
 import torch
 
+# Part 1 runs the Triton sampler; without a GPU only Triton's interpreter can. Triton reads this
+# variable when a kernel is defined, i.e. when its module is imported, so it must be set here,
+# before the imports below; the book's modules only read it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -11,7 +11,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def _run(*args, timeout=300):
-    env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
+    # Without TRITON_INTERPRET, as a reader starts it: the demo must switch the interpreter on itself.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run([sys.executable, *args], cwd=HERE.parent, capture_output=True,
                           text=True, timeout=timeout, env=env)
 
