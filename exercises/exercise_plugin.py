@@ -11,17 +11,17 @@ Each chapter has a registry, ``exercises/<chapter>/exercises.toml``, listing its
 
 A test grades at most one exercise. The stub files ship with the book, each function raising ``NotImplementedError("Exercise 01.2:
 implement BlockManager.allocate_slots — see 01_paged_kv/README.md#exercises")``. Students edit
-the stubs, never the tests. With ``--impl=student`` (or ``VFS_IMPL=student``) every test runs with
-the student's version of the exercises that list it put in place of the reference: the class
+the stubs, never the tests. With ``--impl=student`` (or ``VLLM_FS_IMPL=student``) every test runs
+with the student's version of the exercises that list it put in place of the reference: the class
 attribute is swapped, and a module-level function is swapped in every book module that imported
 it (``from store_kvcache import store_kvcache`` binds a name at import time). Only those
 exercises are swapped, so an unfinished exercise never fails another exercise's tests. A test
 that no exercise lists runs with every exercise of its chapter swapped: the chapter's whole
 student version (the demo test, for example). Everything is put back after each test.
 
-``--exercise 01.2`` (repeatable, or ``VFS_EXERCISE=01.2,01.3``) runs only that exercise's tests.
-``--exercises-dir DIR`` (or ``VFS_EXERCISES_DIR``) reads the stubs from a copy of ``exercises/``,
-e.g. one student's submission, so a grader never touches the working tree.
+``--exercise 01.2`` (repeatable, or ``VLLM_FS_EXERCISE=01.2,01.3``) runs only that exercise's
+tests. ``--exercises-dir DIR`` (or ``VLLM_FS_EXERCISES_DIR``) reads the stubs from a copy of
+``exercises/``, e.g. one student's submission, so a grader never touches the working tree.
 
 The root ``conftest.py`` forwards pytest's hooks here; this file is loaded by path (the
 ``exercises`` folder is not on ``sys.path``), under the module name ``vfs_exercise_plugin``.
@@ -227,11 +227,11 @@ def pytest_addoption(parser):
     group = parser.getgroup("vfs-exercises", "classroom exercises (exercises/README.md)")
     group.addoption("--impl", choices=IMPLS, default=None,
                     help="run tests against the book's reference code or the student's stubs in "
-                         "exercises/ (default: $VFS_IMPL or 'reference')")
+                         "exercises/ (default: $VLLM_FS_IMPL or 'reference')")
     group.addoption("--exercise", action="append", default=None, metavar="ID",
-                    help="run only the tests of exercise ID, e.g. 01.2 (repeatable; $VFS_EXERCISE)")
+                    help="run only the tests of exercise ID, e.g. 01.2 (repeatable; $VLLM_FS_EXERCISE)")
     group.addoption("--exercises-dir", default=None, metavar="DIR",
-                    help="read stubs from DIR, a copy of exercises/ (default: $VFS_EXERCISES_DIR or "
+                    help="read stubs from DIR, a copy of exercises/ (default: $VLLM_FS_EXERCISES_DIR or "
                          "exercises/)")
 
 
@@ -296,10 +296,11 @@ class ExercisePlugin:
 
 
 def pytest_configure(config):
-    impl = config.getoption("--impl") or os.environ.get("VFS_IMPL") or "reference"
+    impl = config.getoption("--impl") or os.environ.get("VLLM_FS_IMPL") or "reference"
     if impl not in IMPLS:
-        raise pytest.UsageError(f"VFS_IMPL must be one of {IMPLS}, got {impl!r}")
-    selected = config.getoption("--exercise") or [os.environ.get("VFS_EXERCISE", "")]
+        raise pytest.UsageError(f"VLLM_FS_IMPL must be one of {IMPLS}, got {impl!r}")
+    selected = config.getoption("--exercise") or [os.environ.get("VLLM_FS_EXERCISE", "")]
     selected = [s.strip() for arg in selected for s in arg.split(",") if s.strip()]
-    exercises_dir = Path(config.getoption("--exercises-dir") or os.environ.get("VFS_EXERCISES_DIR") or EXERCISES_DIR)
+    exercises_dir = Path(config.getoption("--exercises-dir") or os.environ.get("VLLM_FS_EXERCISES_DIR")
+                         or EXERCISES_DIR)
     config.pluginmanager.register(ExercisePlugin(impl, selected, exercises_dir.resolve()), "vfs-exercises")
