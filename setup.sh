@@ -37,6 +37,8 @@ fi
 .venv/bin/python -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1 \
   || echo "note: Mooncake store not installable here; its tests will skip" >&2
 .venv/bin/python -m vllm_from_scratch.default_model
+# Compiles chapter 02's CPU kernel into the cache (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions)
+# under a key of its source, flags, torch, Python and CPU: every later process loads it without a build.
 .venv/bin/python 02_page_attention/paged_attention_cpu.py \
   || echo "note: the C++ attention kernel did not build; attention on the CPU will use the torch path" >&2
 echo "set-up done: source .venv/bin/activate"

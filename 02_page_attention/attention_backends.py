@@ -17,7 +17,9 @@ torch      CPU tensors otherwise                           :mod:`paged_attention
 
 A batch where every sequence brings exactly one token (``max_seqlen_q == 1``) takes each
 backend's decode kernel; anything else takes its varlen kernel. Naming a backend forces it
-(``"triton"`` on a CPU runs Triton's interpreter: exact and slow, for tests and the demo).
+(``"triton"`` on a CPU runs Triton's interpreter: exact and slow, for tests and the demo). The
+choice belongs to the caller — an engine passes its configured backend down — so no
+environment variable overrides it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def select_backend(q: torch.Tensor, k_cache: torch.Tensor, backend: str = "auto"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton" and not (HAS_TRITON and (q.is_cuda or INTERPRETED)):
-        raise ValueError("backend 'triton' needs triton and CUDA tensors (or TRITON_INTERPRET=1 on a CPU)")
+        raise ValueError("backend 'triton' needs triton and CUDA tensors (on a CPU, TRITON_INTERPRET=1 "
+                         "set before the kernels were imported)")
     if backend == "cpp" and not (supports(q) and cpu_kernel_available()):
         raise ValueError("backend 'cpp' needs CPU float tensors of a compiled head size and a C++ compiler")
     if backend != "auto":
@@ -67,7 +70,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables: ``[B, max_blocks]`` int.
         scale: softmax scale.
         max_seqlen_q: the most new tokens any sequence has (1 means a pure decode batch).
-        backend: "auto" (see the module docstring), "flash", "triton" or "torch".
+        backend: "auto" (see the module docstring), "flash", "triton", "cpp" or "torch".
         max_seqlen_k: an upper bound of ``seq_lens_k`` known on the host; read from the tensor
             when needed and omitted.
 

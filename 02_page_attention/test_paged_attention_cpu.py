@@ -3,18 +3,22 @@
 Shapes hit the edges: a length of 1, lengths ending on and just past a block boundary, shuffled
 physical blocks with garbage (and -1) in every unused slot and table entry, GQA groups of 1, 4
 and 6, every compiled head size, float32 / bfloat16 / float16, and q taken as a strided slice of
-a fused QKV output.
+a fused QKV output. A kernel compiled once loads from the cache in every later process, whatever
+build tool its PATH holds.
 """
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from paged_attention import paged_attention_decode, paged_attention_varlen
-from paged_attention_cpu import HEAD_DIMS, cpu_kernel_available, paged_attention_decode_cpu
+from paged_attention_cpu import (HEAD_DIMS, build_key, cache_dir, compile_flags, cpu_kernel_available, is_cached,
+                                 kernel_path, paged_attention_decode_cpu)
 from test_paged_attention import TOL, assert_each_sequence_matches_dense, build_paged, decode_batch
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel_available(), reason="the C++ kernel could not be built here "
@@ -87,7 +91,42 @@ def test_without_a_compiler_the_dispatcher_keeps_the_torch_path(tmp_path):
             "from attention_backends import select_backend\n"
             "assert not cpu_kernel_available()\n"
             "assert select_backend(torch.randn(2, 4, 16), torch.randn(3, 4, 2, 16)) == 'torch'\n")
-    env = dict(os.environ, CXX="/bin/false", TORCH_EXTENSIONS_DIR=str(tmp_path), VFS_CPU_ATTENTION_KERNEL="1")
+    env = dict(os.environ, CXX="/bin/false", TORCH_EXTENSIONS_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "could not be built" in out.stderr
+    assert out.stderr.count("could not be built") == 1
+    assert not list(tmp_path.rglob("build_key.txt")), "a failed build must not look cached"
+
+
+def test_the_cache_key_names_everything_the_binary_depends_on(monkeypatch, tmp_path):
+    key = build_key()
+    assert [line.split()[0] for line in key.splitlines()] == ["source", "flags", "torch", "python", "cpu"]
+    assert f"flags {' '.join(compile_flags())}" in key and f"torch {torch.__version__}" in key
+    assert "-fopenmp" in " ".join(compile_flags())
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert cache_dir(key).parent.parent == tmp_path and not is_cached(key)
+    assert cache_dir(key + "cpu another\n") != cache_dir(key)
+
+
+@needs_kernel
+def test_a_cached_kernel_loads_without_compiling_whichever_ninja_is_on_path():
+    """Two processes in a row, one finding pip's ninja first and one a system ninja or none."""
+    so = kernel_path()
+    before = so.stat()
+    venv_bin = str(Path(sys.executable).parent)
+    paths = [os.pathsep.join([venv_bin, os.environ.get("PATH", "")]), os.pathsep.join(["/usr/bin", "/bin"])]
+    code = ("import logging, shutil\n"
+            "logging.basicConfig(level=logging.INFO)\n"
+            "import paged_attention_cpu\n"
+            "paged_attention_cpu.load_cpu_kernel()\n"
+            "print(shutil.which('ninja'))\n")
+    ninjas = []
+    for path in paths:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, PATH=path))
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert f"loaded cached kernel {so}" in out.stderr and "compiling" not in out.stderr, out.stderr
+        ninjas.append(out.stdout.strip())
+    assert ninjas[0] == shutil.which("ninja", path=paths[0]) and ninjas[0] != ninjas[1]
+    after = so.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
