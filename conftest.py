@@ -27,13 +27,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 def save_tiny_checkpoint(path, arch: str = "llama", seed: int = 0, **overrides) -> str:
-    """Save a small random causal LM (``arch`` is 'llama' or 'qwen3') with a GQA layout.
+    """Save a small random causal LM (``arch`` is 'llama', 'qwen2' or 'qwen3') with a GQA layout.
 
-    Weights are scaled up from the default init so greedy decoding is not a constant token.
+    Weights and biases are drawn wider than the default init (which zeroes biases) so greedy
+    decoding is not a constant token and Qwen2's q/k/v biases matter.
     There is no tokenizer: prompts are token ids below ``vocab_size``.
     """
-    from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -43,13 +44,15 @@ def save_tiny_checkpoint(path, arch: str = "llama", seed: int = 0, **overrides) 
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     else:
-        raise ValueError(f"arch must be 'llama' or 'qwen3', got {arch!r}")
+        raise ValueError(f"arch must be 'llama', 'qwen2' or 'qwen3', got {arch!r}")
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 or name.endswith(".bias"):
                 p.normal_(0.0, 0.2)
     model.save_pretrained(path)
     return str(path)
@@ -58,6 +61,11 @@ def save_tiny_checkpoint(path, arch: str = "llama", seed: int = 0, **overrides) 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
 
 
 @pytest.fixture(scope="session")

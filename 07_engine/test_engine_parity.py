@@ -1,6 +1,6 @@
 """Greedy output of the engine equals transformers' greedy ``generate``, token for token.
 
-The matrix: tiny random Llama and Qwen3 checkpoints (GQA: 4 query heads, 2 KV heads), batched
+The matrix: tiny random Llama, Qwen2 and Qwen3 checkpoints (GQA: 4 query heads, 2 KV heads), batched
 prompts of different lengths crossing KV-block boundaries, with each engine feature switched on
 by itself — prefix caching, chunked prefill, preemption — and all of them together. Float32, so
 the comparison is exact. Every test ends with every KV block back (free, or cached with
@@ -64,9 +64,9 @@ FEATURES = {
 }
 
 
-@pytest.fixture(params=["llama", "qwen3"])
-def model_dir(request, tiny_llama_dir, tiny_qwen3_dir):
-    return tiny_llama_dir if request.param == "llama" else tiny_qwen3_dir
+@pytest.fixture(params=["llama", "qwen2", "qwen3"])
+def model_dir(request):
+    return request.getfixturevalue(f"tiny_{request.param}_dir")
 
 
 @pytest.mark.parametrize("feature", list(FEATURES))
@@ -151,3 +151,50 @@ def test_greedy_matches_transformers_on_each_attention_backend(tiny_llama_dir, b
         assert out["token_ids"] == hf_greedy(tiny_llama_dir, tuple(prompt))[:6]
     assert llm.llm_engine.get_stats()["prefix_cache_hits"] >= 16
     assert_no_leak(llm)
+
+
+def test_register_model_makes_a_new_architecture_loadable(tiny_llama_dir, tmp_path, monkeypatch):
+    """A user's class, registered under a name transformers has never heard of, is what
+    ``LLM`` builds for a checkpoint whose config.json names it, and it generates."""
+    import json
+    import shutil
+
+    from vllm_from_scratch import models, register_model
+    from vllm_from_scratch.models.llama import LlamaForCausalLM
+
+    monkeypatch.setattr(models, "_MODELS", dict(models._MODELS))  # the registration ends with the test
+
+    class MyLlamaForCausalLM(LlamaForCausalLM):
+        pass
+
+    model_dir = shutil.copytree(tiny_llama_dir, tmp_path / "my_llama")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["MyLlamaForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="MyLlamaForCausalLM"):
+        LLM(str(model_dir), dtype="float32", device="cpu")
+
+    register_model("MyLlamaForCausalLM", MyLlamaForCausalLM)
+    llm = LLM(str(model_dir), kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", device="cpu")
+    assert type(llm.llm_engine.executor.runner.model) is MyLlamaForCausalLM
+    prompts = make_prompts(5, (7, 19))
+    assert_parity(llm, tiny_llama_dir, prompts)  # same weights as the tiny Llama: same tokens
+
+
+def test_register_model_by_module_path_and_bad_arguments(monkeypatch):
+    from transformers import LlamaConfig
+
+    from vllm_from_scratch import models, register_model
+    from vllm_from_scratch.models.qwen2 import Qwen2ForCausalLM
+
+    monkeypatch.setattr(models, "_MODELS", dict(models._MODELS))
+    register_model("LazyQwen2", "vllm_from_scratch.models.qwen2:Qwen2ForCausalLM")
+    assert models.get_model_class(LlamaConfig(architectures=["LazyQwen2"])) is Qwen2ForCausalLM
+    for bad_architecture in ("", None, 3):
+        with pytest.raises(ValueError, match="architecture"):
+            register_model(bad_architecture, Qwen2ForCausalLM)
+    # an instance, a module without compute_logits, not a module, malformed strings, nothing
+    for bad_cls in (torch.nn.Linear(2, 2), torch.nn.Linear, int, "no_colon_here", ":Cls", None):
+        with pytest.raises(ValueError, match="cls"):
+            register_model("Bad", bad_cls)
+    assert "Bad" not in models.supported_architectures()

@@ -17,6 +17,7 @@ _EXPORTS = {
     "RequestOutput": "vllm_from_scratch.engine",
     "SamplingParams": "vllm_from_scratch.sampling_params",
     "default_model_dir": "vllm_from_scratch.default_model",
+    "register_model": "vllm_from_scratch.models",
 }
 
 __all__ = list(_EXPORTS)

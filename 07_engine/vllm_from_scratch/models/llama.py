@@ -34,15 +34,22 @@ class LlamaAttention(nn.Module):
         super().__init__()
         tp = dict(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        bias = getattr(config, "attention_bias", False)
+        qkv_bias, o_bias = self.projection_biases(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=bias, **tp)
+                                          config.num_key_value_heads, bias=qkv_bias, **tp)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias, **tp)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
+                                        **tp)
         theta, scaling = rope_settings(config)
         self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, theta, scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+
+    @staticmethod
+    def projection_biases(config) -> tuple[bool, bool]:
+        """Whether ``qkv_proj`` and ``o_proj`` have a bias: Llama's ``attention_bias`` sets both."""
+        bias = getattr(config, "attention_bias", False)
+        return bias, bias
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
         """Hook for models that normalise q and k per head before RoPE (Qwen3)."""

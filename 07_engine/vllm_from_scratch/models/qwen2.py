@@ -1,0 +1,35 @@
+"""Qwen2 (Qwen2, Qwen2.5): Llama's layout with a bias on the q, k and v projections, none on o.
+
+It is registered in the built-in table of ``models/__init__.py``, like Llama and Qwen3; a model
+kept outside this package would call ``vllm_from_scratch.register_model`` instead.
+"""
+
+from __future__ import annotations
+
+from vllm_from_scratch.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class Qwen2Attention(LlamaAttention):
+    @staticmethod
+    def projection_biases(config) -> tuple[bool, bool]:
+        return True, False
+
+
+class Qwen2DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen2Attention
+
+
+class Qwen2Model(LlamaModel):
+    decoder_layer_cls = Qwen2DecoderLayer
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 decoder plus LM head; every layer attends to its whole context (sliding windows,
+    ``use_sliding_window=True``, are not supported and rejected)."""
+
+    model_cls = Qwen2Model
+
+    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+        if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+            raise ValueError("Qwen2 sliding-window attention (use_sliding_window=True) is not supported")
+        super().__init__(config, tp_rank, tp_size, tp_group)
