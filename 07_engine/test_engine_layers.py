@@ -14,8 +14,9 @@ from transformers.models.llama import modeling_llama as hf_llama
 from sequence import Sequence
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.layers.layernorm import RMSNorm
-from vllm_from_scratch.layers.linear import LinearBase
-from vllm_from_scratch.layers.prepacked import can_pack, linear, pack_weight
+from vllm_from_scratch.layers import prepacked
+from vllm_from_scratch.layers.linear import LinearBase, ReplicatedLinear
+from vllm_from_scratch.layers.prepacked import FLOAT32_MIN_ROWS, can_pack, linear, pack_weight
 from vllm_from_scratch.layers.rotary_embedding import get_rope
 from vllm_from_scratch.loader import get_model
 from vllm_from_scratch.model_runner import ModelRunner
@@ -61,6 +62,32 @@ def test_prepacked_weight_gives_f_linear_bit_for_bit(rows):
     assert torch.equal(linear(x, weight, None, packed), torch.nn.functional.linear(x, weight))
 
 
+@pytest.mark.skipif(not BF16_PACKING, reason="this CPU's oneDNN has no bfloat16 matmul")
+@pytest.mark.parametrize("rows", [1, FLOAT32_MIN_ROWS - 1, FLOAT32_MIN_ROWS, 300])
+def test_float32_copy_of_a_bf16_weight_takes_large_matmuls_to_within_one_rounding(rows):
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(96, 80).bfloat16(), torch.randn(96).bfloat16()
+    x = torch.randn(rows, 80).bfloat16()
+    out = linear(x, weight, bias, pack_weight(weight), pack_weight(weight.float()))
+    expected = torch.nn.functional.linear(x, weight, bias)
+    assert out.dtype == torch.bfloat16
+    if rows < FLOAT32_MIN_ROWS:  # the bf16 copy: bit for bit
+        assert torch.equal(out, expected)
+    else:  # the same exact products summed in another order, then one rounding to bf16
+        torch.testing.assert_close(out, expected, atol=2 ** -6, rtol=2 ** -7)
+
+
+@pytest.mark.skipif(not BF16_PACKING, reason="this CPU's oneDNN has no bfloat16 matmul")
+@pytest.mark.parametrize("slow", [True, False])
+def test_prepack_keeps_a_float32_copy_only_where_bf16_matmuls_are_slow(monkeypatch, slow):
+    monkeypatch.setattr(prepacked, "bf16_matmul_is_slow", lambda: slow)
+    layer = ReplicatedLinear(80, 96, bias=True).bfloat16()
+    assert layer.prepack()
+    assert (layer.packed_weight_fp32 is not None) == slow
+    fp32_layer = ReplicatedLinear(80, 96)
+    assert fp32_layer.prepack() and fp32_layer.packed_weight_fp32 is None
+
+
 def test_float32_packing_agrees_to_rounding_and_other_dtypes_are_not_packed():
     torch.manual_seed(0)
     weight, x = torch.randn(96, 80), torch.randn(33, 80)
@@ -85,7 +112,7 @@ def test_model_runner_packs_every_linear_and_logits_do_not_change(tiny_llama_dir
     seq.block_table = [0, 1, 2]
     packed_logits, _ = runner.compute_logits([seq], [11])
     for m in packable:
-        m.packed_weight = None
+        m.packed_weight = m.packed_weight_fp32 = None
     plain_logits, _ = runner.compute_logits([seq], [11])
     assert torch.equal(packed_logits, plain_logits)
 

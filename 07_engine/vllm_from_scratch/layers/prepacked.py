@@ -23,12 +23,32 @@ The ops are the ones ``torch.compile``'s CPU weight-freezing pass emits
 (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``). They are private, so
 :func:`pack_weight` returns ``None`` wherever they are missing or do not apply (a GPU, float16,
 a CPU without bf16 support in oneDNN) and the layers keep calling ``F.linear``.
+
+**A float32 copy where bfloat16 multiplies slowly.** Some CPUs list AVX-512 BF16 yet run oneDNN's
+bf16 GEMM slower than its float32 one: on a 2-core Intel Xeon VM (model 207, AVX-512 BF16 and
+FP16, AMX hidden by the hypervisor) a packed ``[512 x 576] @ [576 x 3072]`` runs at 83 GFLOP/s per
+core in bf16 and 150 in float32 (elsewhere bf16 wins by far: 4x on a Zen 4, more with AMX).
+Converting bf16 to float32 is exact and both GEMMs accumulate in float32, so on such a CPU a
+bf16 weight also keeps a packed float32 copy, and a matmul of at least :data:`FLOAT32_MIN_ROWS`
+rows (prefills, large decode batches) upcasts ``x``, multiplies in float32 and rounds the result
+back: the same products, summed in another order. Smaller matmuls read their weights more than
+they compute, so they keep the half-size bf16 copy. :func:`bf16_matmul_is_slow` decides, by
+timing both once per process.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import time
+
 import torch
 import torch.nn.functional as F
+
+# Rows from which a matmul is compute-bound enough for the float32 copy to win. Measured on the
+# VM above, all linear shapes of SmolLM2-135M plus its LM head, float32 time / bf16 time:
+# 16 rows 1.03-1.06, 32 rows 0.85, 128 rows 0.65, 512 rows 0.73 (1 and 2 threads alike).
+FLOAT32_MIN_ROWS = 32
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -57,9 +77,45 @@ def pack_weight(weight: torch.Tensor, batch_size_hint: int = 32) -> torch.Tensor
         return None
 
 
+def _cpu_seconds(fn, repeats: int = 3) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - start)
+    return best
+
+
+@functools.cache
+def bf16_matmul_is_slow() -> bool:
+    """Whether this CPU's packed bf16 GEMM is clearly (25 %) slower than its float32 GEMM.
+
+    Timed once per process on a ``[256 x 576] @ [576 x 1536]`` product (about 20 ms), on one
+    thread and in CPU time, so that other jobs sharing the machine cannot tip the choice.
+    """
+    if not can_pack(torch.empty(1, 1, dtype=torch.bfloat16)):
+        return False
+    x, w = torch.randn(256, 576), torch.randn(1536, 576)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seconds = {}
+        for dtype in (torch.bfloat16, torch.float32):
+            xd, packed = x.to(dtype), pack_weight(w.to(dtype), 256)
+            seconds[dtype] = _cpu_seconds(lambda: torch.ops.mkldnn._linear_pointwise(xd, packed, None, "none", [], ""))
+    finally:
+        torch.set_num_threads(threads)
+    return 1.25 * seconds[torch.float32] < seconds[torch.bfloat16]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through the packed copy of ``weight`` when there is one."""
+           packed: torch.Tensor | None = None, packed_fp32: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the packed copy of ``weight`` when there is one, and
+    from :data:`FLOAT32_MIN_ROWS` rows through its packed float32 copy when there is one."""
+    if packed_fp32 is not None and x.numel() >= FLOAT32_MIN_ROWS * x.shape[-1] and x.device.type == "cpu":
+        bias = None if bias is None else bias.float()
+        return torch.ops.mkldnn._linear_pointwise(x.float(), packed_fp32, bias, "none", [], "").to(x.dtype)
     if packed is None or x.dtype != packed.dtype or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -69,14 +125,18 @@ class PrepackableWeight:
     """Mixin for a module with a 2-D ``weight``: ``prepack()`` it once loaded, then ``self.matmul(x)``."""
 
     packed_weight: torch.Tensor | None = None
+    packed_weight_fp32: torch.Tensor | None = None
 
     def prepack(self) -> bool:
-        """Pack the loaded weight (a copy: a tied embedding keeps its own rows); False if it does not apply."""
+        """Pack the loaded weight (a copy: a tied embedding keeps its own rows), and a float32 copy
+        of a bf16 weight where :func:`bf16_matmul_is_slow`; False if packing does not apply."""
         self.packed_weight = pack_weight(self.weight)
+        if self.packed_weight is not None and self.weight.dtype == torch.bfloat16 and bf16_matmul_is_slow():
+            self.packed_weight_fp32 = pack_weight(self.weight.float())
         return self.packed_weight is not None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, self.weight, bias, self.packed_weight)
+        return linear(x, self.weight, bias, self.packed_weight, self.packed_weight_fp32)
 
 
 def prepack_model(model: torch.nn.Module) -> int:
