@@ -36,15 +36,17 @@ def test_rmsnorm_with_and_without_residual_matches_hf():
     torch.testing.assert_close(normed, ref(x + res))
 
 
-def test_rmsnorm_in_bfloat16_matches_hf_to_one_rounding():
+@pytest.mark.parametrize("shape", [(64, 576), (1, 576), (7, 9, 64)])
+def test_rmsnorm_in_bfloat16_matches_hf_bit_for_bit(shape):
+    """Normalised in float32 and rounded once, then scaled in bf16, as transformers does (the
+    (7, 9, 64) case is Qwen3's per-head norm of q and k)."""
     torch.manual_seed(0)
-    x = (torch.randn(64, 576) * 3).bfloat16()
-    ours = RMSNorm(576, 1e-5).bfloat16()
+    x = (torch.randn(shape) * 3).bfloat16()
+    ours = RMSNorm(shape[-1], 1e-5).bfloat16()
     ours.weight.data.normal_()
-    ref = hf_llama.LlamaRMSNorm(576, eps=1e-5).bfloat16()
+    ref = hf_llama.LlamaRMSNorm(shape[-1], eps=1e-5).bfloat16()
     ref.weight.data.copy_(ours.weight.data)
-    # Same float32 math, summed in another order: at most one bf16 rounding step apart.
-    torch.testing.assert_close(ours(x), ref(x), atol=0, rtol=2 ** -7)
+    assert torch.equal(ours(x), ref(x))
 
 
 BF16_PACKING = can_pack(torch.empty(1, 1, dtype=torch.bfloat16))
@@ -137,6 +139,25 @@ def test_rotary_embedding_matches_hf(rope_parameters):
                                            cos, sin)
     torch.testing.assert_close(oq, rq.transpose(1, 2).reshape(6, -1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ok, rk.transpose(1, 2).reshape(6, -1), atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_embedding_in_bfloat16_matches_hf_bit_for_bit():
+    """SmolLM2's RoPE (head 64, theta 1e5, 8,192 positions): same angles, same roundings."""
+    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, head_dim=64, max_position_embeddings=8192,
+                      rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    torch.manual_seed(0)
+    positions = torch.tensor([0, 1, 7, 100, 255, 3, 4000, 8191])
+    q, k = (torch.randn(8, 9 * 64) * 3).bfloat16(), (torch.randn(8, 3 * 64) * 3).bfloat16()
+    oq, ok = get_rope(64, 8192, 100000.0)(positions, q, k)
+    cos, sin = hf_llama.LlamaRotaryEmbedding(cfg)(q, positions.unsqueeze(0))
+    rq, rk = hf_llama.apply_rotary_pos_emb(q.view(1, 8, 9, 64).transpose(1, 2), k.view(1, 8, 3, 64).transpose(1, 2),
+                                           cos, sin)
+    assert torch.equal(oq, rq.transpose(1, 2).reshape(8, -1)) and torch.equal(ok, rk.transpose(1, 2).reshape(8, -1))
+
+
+def test_layers_share_one_rotary_embedding(tiny_llama_dir):
+    model = get_model(tiny_llama_dir, dtype="float32")
+    assert len({id(layer.self_attn.rotary_emb) for layer in model.model.layers}) == 1
 
 
 def test_registry_and_loader_fuse_qkv_and_gate_up(tiny_qwen3_dir):
