@@ -81,13 +81,13 @@ def test_float32_copy_of_a_bf16_weight_takes_large_matmuls_to_within_one_roundin
 
 @pytest.mark.skipif(not BF16_PACKING, reason="this CPU's oneDNN has no bfloat16 matmul")
 @pytest.mark.parametrize("slow", [True, False])
-def test_prepack_keeps_a_float32_copy_only_where_bf16_matmuls_are_slow(monkeypatch, slow):
+def test_prepack_keeps_a_float32_copy_where_bf16_matmuls_are_slow_or_when_asked(monkeypatch, slow):
     monkeypatch.setattr(prepacked, "bf16_matmul_is_slow", lambda: slow)
     layer = ReplicatedLinear(80, 96, bias=True).bfloat16()
-    assert layer.prepack()
-    assert (layer.packed_weight_fp32 is not None) == slow
-    fp32_layer = ReplicatedLinear(80, 96)
-    assert fp32_layer.prepack() and fp32_layer.packed_weight_fp32 is None
+    assert layer.prepack() and (layer.packed_weight_fp32 is not None) == slow
+    assert layer.prepack(float32_copy=not slow) and (layer.packed_weight_fp32 is not None) == (not slow)
+    fp32_layer = ReplicatedLinear(80, 96)  # already float32: nothing to copy
+    assert fp32_layer.prepack(float32_copy=True) and fp32_layer.packed_weight_fp32 is None
 
 
 def test_float32_packing_agrees_to_rounding_and_other_dtypes_are_not_packed():

@@ -127,22 +127,26 @@ class PrepackableWeight:
     packed_weight: torch.Tensor | None = None
     packed_weight_fp32: torch.Tensor | None = None
 
-    def prepack(self) -> bool:
+    def prepack(self, float32_copy: bool | None = None) -> bool:
         """Pack the loaded weight (a copy: a tied embedding keeps its own rows), and a float32 copy
-        of a bf16 weight where :func:`bf16_matmul_is_slow`; False if packing does not apply."""
+        of a bf16 weight when ``float32_copy`` (``None``: where :func:`bf16_matmul_is_slow`);
+        False if packing does not apply."""
         self.packed_weight = pack_weight(self.weight)
-        if self.packed_weight is not None and self.weight.dtype == torch.bfloat16 and bf16_matmul_is_slow():
-            self.packed_weight_fp32 = pack_weight(self.weight.float())
+        self.packed_weight_fp32 = None
+        if self.packed_weight is not None and self.weight.dtype == torch.bfloat16:
+            if bf16_matmul_is_slow() if float32_copy is None else float32_copy:
+                self.packed_weight_fp32 = pack_weight(self.weight.float())
         return self.packed_weight is not None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, self.weight, bias, self.packed_weight, self.packed_weight_fp32)
 
 
-def prepack_model(model: torch.nn.Module) -> int:
+def prepack_model(model: torch.nn.Module, float32_copies: bool | None = None) -> int:
     """Pack the weight of every module that has a ``prepack()`` method; returns how many packed.
 
-    Call it after the weights are loaded: a packed copy does not follow later edits of
-    ``weight``.
+    ``float32_copies`` also keeps float32 copies of bf16 weights for large matmuls: ``None``
+    where :func:`bf16_matmul_is_slow`, or always / never. Call it after the weights are loaded:
+    a packed copy does not follow later edits of ``weight``.
     """
-    return sum(bool(m.prepack()) for m in model.modules() if hasattr(m, "prepack"))
+    return sum(bool(m.prepack(float32_copies)) for m in model.modules() if hasattr(m, "prepack"))

@@ -1,0 +1,216 @@
+"""Time and profile the engine's model forward on its own: decode steps and a prefill chunk.
+
+Builds a :class:`~vllm_from_scratch.model_runner.ModelRunner` (weights loaded and prepacked, KV
+cache bound) and calls ``model(input_ids, positions, attn_metadata)`` plus ``compute_logits`` on
+synthetic batches, without the scheduler or the sampler:
+
+* ``decode B``: ``B`` requests, one new token each, every one with ``--context-len`` tokens;
+* ``prefill P``: one request's first ``P`` tokens.
+
+For each shape it prints the first call (oneDNN creates a primitive the first time it meets a
+matmul shape) and the median of ``--iters`` later calls, with the load average beside them.
+``--profile`` adds a ``torch.profiler`` breakdown by op group, and the time spent outside any
+op (Python and per-op dispatch).
+
+    .venv/bin/python 07_engine/profile_model.py --profile                # decode 1 and 32, prefill 512
+    .venv/bin/python 07_engine/profile_model.py --repeats 3 --bf16-only   # without the float32 copies
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from tqdm.auto import tqdm
+
+from vllm_from_scratch import default_model_dir
+from vllm_from_scratch.config import EngineConfig
+from vllm_from_scratch.layers.attention import AttentionMetadata
+from vllm_from_scratch.layers.prepacked import FLOAT32_MIN_ROWS, PrepackableWeight, prepack_model
+from vllm_from_scratch.model_runner import ModelRunner
+
+# Profiler op names (substrings) → group. First match wins; anything else is "other ops".
+OP_GROUPS = [
+    ("linear (matmul)", ("_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul")),
+    ("attention", ("paged_attention", "scaled_dot_product", "_flash_attention", "index_select")),
+    ("kv write", ("store_kvcache", "index_copy")),
+    ("elementwise", ("aten::mul", "aten::add", "aten::sub", "aten::silu", "aten::rsqrt", "vector_norm",
+                     "aten::cat", "aten::copy_", "aten::to", "aten::_to_copy", "aten::square", "aten::div",
+                     "aten::neg", "aten::embedding", "aten::index", "aten::clone", "aten::contiguous")),
+]
+
+
+def machine() -> str:
+    """CPU model, core count and the bf16-related flags that decide which matmul paths exist."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((set(line.split(":", 1)[1].split()) for line in info.splitlines() if line.startswith("flags")), set())
+    wanted = [f for f in ("avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags]
+    return f"{model}, {os.cpu_count()} CPUs, {' '.join(wanted) or 'no bf16 flags'}"
+
+
+def op_group(name: str) -> str:
+    for group, keys in OP_GROUPS:
+        if any(k in name for k in keys):
+            return group
+    return "other ops"
+
+
+class Batches:
+    """Synthetic batches for one runner: every request owns consecutive KV blocks."""
+
+    def __init__(self, runner: ModelRunner, context_len: int):
+        self.runner, self.context_len = runner, context_len
+        self.block_size = runner.block_size
+        self.vocab = runner.model.config.vocab_size
+
+    def _batch(self, q_lens: list[int], k_lens: list[int]):
+        bs = self.block_size
+        width = -(-max(k_lens) // bs)
+        if width * len(q_lens) > self.runner.num_kvcache_blocks:
+            raise SystemExit(f"the KV cache holds {self.runner.num_kvcache_blocks} blocks, the batch needs "
+                             f"{width * len(q_lens)}: lower --context-len or the batch size")
+        block_tables = torch.arange(width * len(q_lens), dtype=torch.int32).view(len(q_lens), width)
+        positions = torch.cat([torch.arange(k - q, k) for q, k in zip(q_lens, k_lens)])
+        seq_ids = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+        slots = block_tables[seq_ids, positions // bs].long() * bs + positions % bs
+        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
+        md = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu,
+                               seq_lens_k=torch.tensor(k_lens, dtype=torch.int32), block_tables=block_tables,
+                               max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), is_decode=max(q_lens) == 1)
+        input_ids = torch.randint(0, self.vocab, (len(positions),), generator=torch.Generator().manual_seed(0))
+        logits_indices = cu[1:].long() - 1
+        return input_ids, positions, md, logits_indices
+
+    def decode(self, batch_size: int):
+        return self._batch([1] * batch_size, [self.context_len] * batch_size)
+
+    def prefill(self, num_tokens: int):
+        return self._batch([num_tokens], [num_tokens])
+
+
+@torch.inference_mode()
+def step(runner: ModelRunner, batch) -> torch.Tensor:
+    input_ids, positions, md, logits_indices = batch
+    hidden = runner.model(input_ids, positions, md)
+    return runner.model.compute_logits(hidden[logits_indices])
+
+
+def time_step(runner: ModelRunner, batch, iters: int) -> tuple[float, float, float]:
+    """(first call, median of ``iters`` later calls, median CPU time of this process), in ms.
+
+    With ``--threads 1`` the CPU time is the work itself, whatever else shares the cores: on a
+    loaded machine it is the steadier figure to compare two variants by.
+    """
+    start = time.perf_counter()
+    step(runner, batch)
+    first = (time.perf_counter() - start) * 1e3
+    times, cpu_times = [], []
+    for _ in range(iters):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        step(runner, batch)
+        times.append((time.perf_counter() - start) * 1e3)
+        cpu_times.append((time.process_time() - cpu_start) * 1e3)
+    return first, statistics.median(times), statistics.median(cpu_times)
+
+
+def label_attention_calls() -> None:
+    """Give chapter 01's and 02's calls a profiler label: the C++ decode kernel is not a torch op,
+    so without one its time would count as "outside any op"."""
+    from vllm_from_scratch.layers import attention
+
+    def labelled(name, fn):
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(name):
+                return fn(*args, **kwargs)
+        return call
+
+    attention.paged_attention = labelled("paged_attention", attention.paged_attention)
+    attention.store_kvcache = labelled("store_kvcache", attention.store_kvcache)
+
+
+def profile_step(runner: ModelRunner, batch, iters: int) -> None:
+    """Per-op-group time of ``iters`` calls, and the wall time no top-level op accounts for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(iters):
+            step(runner, batch)
+        wall = (time.perf_counter() - start) * 1e3 / iters
+    groups, ops = defaultdict(float), defaultdict(float)
+    for e in prof.events():
+        if e.cpu_parent is None:  # top-level ops only: their time includes their children's
+            groups[op_group(e.name)] += e.cpu_time_total / 1e3 / iters
+            ops[e.name] += e.cpu_time_total / 1e3 / iters
+    in_ops = sum(groups.values())
+    print(f"    profiled wall {wall:.2f} ms/step (profiler overhead included)")
+    for group, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"      {group:<22} {ms:8.2f} ms  {100 * ms / wall:5.1f} %")
+    print(f"      {'outside any op':<22} {wall - in_ops:8.2f} ms  {100 * (wall - in_ops) / wall:5.1f} %")
+    top = sorted(ops.items(), key=lambda kv: -kv[1])[:12]
+    print("    top-level ops: " + ", ".join(f"{name} {ms:.2f}" for name, ms in top))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="bfloat16", help="model dtype (default: bfloat16)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 32],
+                        help="decode batch sizes (default: 1 32)")
+    parser.add_argument("--context-len", type=int, default=256,
+                        help="tokens each decoding request attends to (default: 256)")
+    parser.add_argument("--prefill-lens", type=int, nargs="*", default=[512],
+                        help="prefill chunk lengths (default: 512)")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per shape after the first (default: 20)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time every shape this many times, interleaved (default: 1)")
+    parser.add_argument("--profile", action="store_true", help="also break each shape down with torch.profiler")
+    parser.add_argument("--bf16-only", action="store_true",
+                        help="drop the float32 weight copies (layers/prepacked.py): every matmul in bf16")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    start = time.perf_counter()
+    runner = ModelRunner(EngineConfig(args.model or default_model_dir(), device="cpu", dtype=args.dtype,
+                                      max_num_seqs=max(args.batch_sizes + [1])))
+    if args.bf16_only:
+        prepack_model(runner.model, float32_copies=False)
+    packable = [m for m in runner.model.modules() if isinstance(m, PrepackableWeight)]
+    fp32_copies = sum(m.packed_weight_fp32 is not None for m in packable)
+    print(machine())
+    print(f"runner built in {time.perf_counter() - start:.1f} s; {args.dtype}, {torch.get_num_threads()} threads; "
+          f"float32 copies for matmuls of {FLOAT32_MIN_ROWS}+ rows: {fp32_copies} of {len(packable)} weights")
+    if args.profile:
+        label_attention_calls()
+    batches = Batches(runner, args.context_len)
+    shapes = [(f"decode B={b}", batches.decode(b)) for b in args.batch_sizes]
+    shapes += [(f"prefill {p}", batches.prefill(p)) for p in args.prefill_lens]
+    # Shapes none of the timed ones share, so "first" below is the cost of a new shape alone.
+    start = time.perf_counter()
+    step(runner, batches.prefill(7))
+    step(runner, batches.decode(3))
+    print(f"warm-up on other shapes: {time.perf_counter() - start:.1f} s")
+    for rep in range(args.repeats):
+        for name, batch in tqdm(shapes, desc=f"repeat {rep + 1}/{args.repeats}", leave=False):
+            first, median, cpu = time_step(runner, batch, args.iters)
+            load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+            tqdm.write(f"  {name:<14} first {first:9.2f} ms   median {median:8.2f} ms   cpu {cpu:8.2f} ms   "
+                       f"load {load}")
+            if args.profile and rep == 0:
+                profile_step(runner, batch, max(3, args.iters // 4))
+
+
+if __name__ == "__main__":
+    main()
