@@ -135,7 +135,6 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             self._release_block(self.blocks[block_id])
         seq.block_table.clear()
-        seq.num_cached_tokens = 0
 
     # ------------------------------------------------------------------ nano-vllm's names
     def can_allocate(self, seq: Sequence) -> bool:

@@ -34,6 +34,10 @@ class Sequence:
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache
         self.block_table: list[int] = []  # logical block i lives in physical block block_table[i]
         self.cache_salt = cache_salt
+        # Filled by a prefix-caching block manager (chapter 03): the chained hash of each full
+        # block, and how many leading blocks of block_table it has registered by hash.
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -362,7 +362,7 @@ class GlobalKVPool:
         if seq.num_computed_tokens % self.block_size:
             raise ValueError("load_sequence needs a block-aligned seq.num_computed_tokens")
         start = seq.num_computed_tokens // self.block_size
-        end = min((seq.num_tokens - 1) // self.block_size, len(seq.block_table))
+        end = min(block_manager.max_hit_blocks(seq), len(seq.block_table))
         hashes = block_manager.block_hashes(seq)[start:end]
         n = self._num_leading_present(hashes)
         n = self.fetch(hashes[:n], [tuple(seq.block(i)) for i in range(start, start + n)],

@@ -16,21 +16,9 @@ changes: the engine and the scheduler keep calling the same token-level API.
 
 from __future__ import annotations
 
-import weakref
-
 from block_manager import Block, BlockManager
 from prefix_cache_local import BlockHash, hash_block_chain
 from sequence import Sequence
-
-
-class _SeqHashState:
-    """Per-sequence memo: the chain hashed so far and how many blocks are registered."""
-
-    __slots__ = ("block_hashes", "num_registered")
-
-    def __init__(self):
-        self.block_hashes: list[BlockHash] = []
-        self.num_registered = 0  # leading blocks of the block table already offered to the cache
 
 
 class PrefixCachingBlockManager(BlockManager):
@@ -53,30 +41,21 @@ class PrefixCachingBlockManager(BlockManager):
     def __init__(self, num_blocks: int, block_size: int = 16):
         super().__init__(num_blocks, block_size)
         self.cached_block_hash_to_block: dict[BlockHash, int] = {}
-        # Keyed by id(seq) (a Request may define __eq__ and be unhashable); a finalizer drops the
-        # entry when the sequence dies, so a recycled id can never alias a stale chain.
-        self._seq_state: dict[int, _SeqHashState] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_evictions = 0
 
     # ------------------------------------------------------------------ hashing
-    def _state(self, seq: Sequence) -> _SeqHashState:
-        state = self._seq_state.get(id(seq))
-        if state is None:
-            if seq.block_size != self.block_size:
-                raise ValueError(f"seq.block_size {seq.block_size} != block manager's {self.block_size}")
-            state = self._seq_state[id(seq)] = _SeqHashState()
-            weakref.finalize(seq, self._seq_state.pop, id(seq), None)
-        return state
-
     def block_hashes(self, seq: Sequence) -> list[BlockHash]:
         """The chained hashes of every full block of ``seq`` (extended incrementally).
 
         Token ids are append-only, so hashes already computed stay valid; only blocks that
-        filled up since the last call are hashed. Do not mutate the returned list.
+        filled up since the last call are hashed. They are kept on the sequence
+        (``seq.block_hashes``), so a preempted sequence re-hits without rehashing.
         """
-        hashes = self._state(seq).block_hashes
+        if seq.block_size != self.block_size:
+            raise ValueError(f"seq.block_size {seq.block_size} != block manager's {self.block_size}")
+        hashes = seq.block_hashes
         if len(hashes) < seq.num_tokens // self.block_size:
             hashes.extend(hash_block_chain(seq.token_ids, self.block_size,
                                            parent_hash=hashes[-1] if hashes else None,
@@ -85,19 +64,22 @@ class PrefixCachingBlockManager(BlockManager):
                                            cache_salt=seq.cache_salt))
         return hashes
 
+    def max_hit_blocks(self, seq: Sequence) -> int:
+        """Most leading blocks of ``seq`` any cache may serve: its last token is always computed,
+        because the forward pass must produce its logits to sample the next token."""
+        return (seq.num_tokens - 1) // self.block_size
+
     # ------------------------------------------------------------------ overrides
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Physical blocks holding the longest cached prefix of ``seq`` (a pure lookup).
 
-        At most ``(num_tokens - 1) // block_size`` blocks: the last token is always computed,
-        because the forward pass must produce its logits to sample the next token.
-        Only a sequence holding no blocks can take hits (they are attached at its start).
+        At most :meth:`max_hit_blocks`. Only a sequence holding no blocks can take hits (they are
+        attached at its start).
         """
         if seq.block_table:
             return []
-        max_hit_blocks = (seq.num_tokens - 1) // self.block_size
         hits = []
-        for i, block_hash in enumerate(self.block_hashes(seq)[:max_hit_blocks]):
+        for i, block_hash in enumerate(self.block_hashes(seq)[:self.max_hit_blocks(seq)]):
             block_id = self.cached_block_hash_to_block.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != tuple(seq.block(i)):
                 break
@@ -119,25 +101,22 @@ class PrefixCachingBlockManager(BlockManager):
         If another block already holds the same hash (two sequences computed the same prefix
         at the same time), this one stays unregistered and is simply freed later.
         """
-        state = self._state(seq)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        if num_full <= state.num_registered:
+        if num_full <= seq.num_registered_blocks:
             return
         hashes = self.block_hashes(seq)
-        for i in range(state.num_registered, num_full):
+        for i in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is not None or hashes[i] in self.cached_block_hash_to_block:
                 continue
             block.block_hash = hashes[i]
             block.token_ids = tuple(seq.block(i))
             self.cached_block_hash_to_block[hashes[i]] = block.block_id
-        state.num_registered = num_full
+        seq.num_registered_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
         super().free(seq)
-        state = self._seq_state.get(id(seq))
-        if state is not None:
-            state.num_registered = 0  # the hashes stay: a preempted sequence re-hits without rehashing
+        seq.num_registered_blocks = 0
 
     def _allocate_block(self) -> Block:
         block = super()._allocate_block()

@@ -14,17 +14,16 @@ from sequence import Sequence
 def get_computed_blocks(self, seq: Sequence) -> list[int]:
     """Physical blocks holding the longest cached prefix of ``seq`` (a pure lookup).
 
-    At most ``(num_tokens - 1) // block_size`` blocks: the last token is always computed,
-    because the forward pass must produce its logits to sample the next token.
-    Only a sequence holding no blocks can take hits (they are attached at its start).
+    At most :meth:`max_hit_blocks`. Only a sequence holding no blocks can take hits (they are
+    attached at its start).
 
     Becomes ``PrefixCachingBlockManager.get_computed_blocks`` (a method: ``self`` is the
     PrefixCachingBlockManager). Call parent methods as ``Parent.method(self, ...)``, not
     ``super()``.
 
-    Hint: Walk self.block_hashes(seq) up to (num_tokens - 1) // block_size blocks; stop at the
-    first hash missing from self.cached_block_hash_to_block or whose block holds other token ids
-    (a collision is a miss).
+    Hint: Walk self.block_hashes(seq) up to self.max_hit_blocks(seq) blocks; stop at the first
+    hash missing from self.cached_block_hash_to_block or whose block holds other token ids (a
+    collision is a miss).
 
     Checked by: pytest 03_prefix_cache/ --impl=student --exercise 03.2
     """
