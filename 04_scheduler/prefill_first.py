@@ -41,4 +41,4 @@ class PrefillFirstScheduler(Scheduler):
 
     def is_prefill_step(self, out: SchedulerOutput) -> bool:
         """True when the step runs prompts (prefill-first never mixes them with decodes)."""
-        return any(not out.is_decoding(r) for r in out.scheduled_requests)
+        return any(not r.is_decoding for r in out.scheduled_requests)

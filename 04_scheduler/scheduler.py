@@ -22,10 +22,8 @@ Without chunked prefill (this chapter) a waiting request is admitted only if its
 prompt fits the remaining budget; chapter 06's ``ChunkedPrefillScheduler`` overrides one method,
 :meth:`Scheduler._num_new_tokens`, to cut prompts into chunks instead.
 
-Seed 000's sketch of this file left a preempted request in the running list *and* the waiting
-queue (it could be scheduled twice, or spin forever), recomputed block needs by hand instead of
-asking the block manager, ignored prefix hits and counted EOS as token id 2; this version fixes
-each of those, and ``scheduler_testing.py`` proves it on thousands of random steps.
+``scheduler_testing.py`` drives it through thousands of random steps against a fake model and
+checks every step; the README lists what this version fixes in the sketch it started from.
 """
 
 from __future__ import annotations
@@ -48,18 +46,14 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3  # EOS, or a stop string (the engine calls finish_request)
+    FINISHED_STOPPED = 3  # a stop token (EOS), or a stop string (the engine calls finish_request)
     FINISHED_LENGTH = 4  # max_tokens reached
     FINISHED_ABORTED = 5  # the client went away, or the engine gave up on it
-    FINISHED_LENGTH_CAPPED = 4  # seed 000's name for FINISHED_LENGTH (an alias, same member)
+    FINISHED_LENGTH_CAPPED = 4  # the README listing's name for FINISHED_LENGTH (same member)
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
         return status >= RequestStatus.FINISHED_STOPPED
-
-
-# Breaks ties between requests that arrived at the same instant: first created, first served.
-_request_counter = itertools.count()
 
 
 class Request(Sequence):
@@ -67,42 +61,49 @@ class Request(Sequence):
 
     Args:
         request_id: unique name of the request.
-        prompt_token_ids: the prompt.
-        max_tokens: most tokens to generate (at least 1).
+        prompt_token_ids: the prompt (``token_ids=`` is accepted as another spelling).
+        max_tokens: most tokens to generate, at least 1; 16 when omitted (``max_new_tokens=``
+            is accepted as another spelling).
         priority: with ``policy="priority"``, *lower values are served first* (vLLM's
             convention; 0 is the default and the most common value).
         arrival_time: seconds (``time.time()`` when omitted); orders requests of equal priority.
-        eos_token_id: token id, or several, that end the request (``None``: never).
-        ignore_eos: keep generating past EOS (benchmarks use it to fix the output length).
+        eos_token_id: token id, or several, that end the request (``None``: none).
+        ignore_eos: keep generating past ``eos_token_id`` (benchmarks use it to fix the length).
+        stop_token_ids: more token ids that end the request, even with ``ignore_eos``.
         block_size, cache_salt: passed to :class:`Sequence`.
 
-    ``spec_token_ids`` holds the draft tokens proposed for the next step (chapter 05); the engine
-    sets it before :meth:`Scheduler.schedule` and the scheduler clears it once they are verified.
+    ``stop_token_ids`` (after construction) is the one set the scheduler checks: EOS unless
+    ignored, plus the extra stop tokens. ``spec_token_ids`` holds the draft tokens proposed for
+    the next step (chapter 05); the engine sets it before :meth:`Scheduler.schedule` and the
+    scheduler clears it once they are verified. ``num_cached_tokens`` is set when the request is
+    first admitted: the prompt tokens it did not have to compute (a later re-admission after a
+    preemption re-hits blocks it computed itself, which is no saving to report).
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: Iterable[int], max_tokens: int = 16,
-                 priority: int = 0, arrival_time: float | None = None,
+    def __init__(self, request_id: str, prompt_token_ids: Iterable[int] | None = None,
+                 max_tokens: int | None = None, priority: int = 0, arrival_time: float | None = None,
                  eos_token_id: int | Iterable[int] | None = None, ignore_eos: bool = False,
-                 block_size: int = 16, cache_salt: str | None = None):
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+                 stop_token_ids: Iterable[int] = (), block_size: int = 16, cache_salt: str | None = None,
+                 *, token_ids: Iterable[int] | None = None, max_new_tokens: int | None = None):
+        prompt_token_ids = _one_of("prompt_token_ids", prompt_token_ids, "token_ids", token_ids)
+        max_tokens = _one_of("max_tokens", max_tokens, "max_new_tokens", max_new_tokens)
+        max_tokens = 16 if max_tokens is None else max_tokens
+        if prompt_token_ids is None:
+            raise ValueError("prompt_token_ids is required")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         super().__init__(prompt_token_ids, block_size=block_size, cache_salt=cache_salt)
         self.request_id = request_id
         self.max_tokens = max_tokens
         self.priority = priority
         self.arrival_time = time.time() if arrival_time is None else arrival_time
-        self.eos_token_id = eos_token_id
-        if eos_token_id is None:
-            self.eos_token_ids: frozenset[int] = frozenset()
-        elif isinstance(eos_token_id, int):
-            self.eos_token_ids = frozenset((eos_token_id,))
-        else:
-            self.eos_token_ids = frozenset(eos_token_id)
+        eos = () if eos_token_id is None or ignore_eos else (
+            (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id))
+        self.stop_token_ids: frozenset[int] = frozenset(eos) | frozenset(stop_token_ids)
         self.ignore_eos = ignore_eos
         self.status = RequestStatus.WAITING
         self.spec_token_ids: list[int] = []
         self.num_preemptions = 0
-        self.order = next(_request_counter)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
@@ -113,6 +114,11 @@ class Request(Sequence):
         return RequestStatus.is_finished(self.status)
 
     @property
+    def is_decoding(self) -> bool:
+        """Past its prompt, with only its last sampled token (plus any drafts) left to feed."""
+        return self.num_computed_tokens == self.num_tokens - 1 and self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.completion_token_ids
 
@@ -120,6 +126,30 @@ class Request(Sequence):
     def max_num_kv_tokens(self) -> int:
         """Most tokens this request ever holds K/V for: the final sampled token is never fed."""
         return self.num_prompt_tokens + self.max_tokens - 1
+
+    # The README listing's spellings of the same facts.
+    @property
+    def max_new_tokens(self) -> int:
+        return self.max_tokens
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_tokens
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Known tokens whose K/V is not in the cache yet."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_blocks_needed(self) -> int:
+        return self.num_blocks
+
+
+def _one_of(name: str, value, other_name: str, other_value):
+    if value is not None and other_value is not None:
+        raise ValueError(f"pass {name} or {other_name}, not both")
+    return value if other_value is None else other_value
 
 
 @dataclass
@@ -131,7 +161,8 @@ class SchedulerOutput:
     ``[start, start + num_scheduled_tokens[rid])``: the request's known tokens from ``start``,
     then its ``scheduled_spec_decode_tokens``. A request *samples* this step when those positions
     reach the end of its known tokens (:meth:`produces_token`); a prompt chunk that stops short
-    samples nothing.
+    samples nothing. The per-request methods read the requests' token lists, so they hold
+    between ``schedule()`` and ``update_from_output()``, the window in which the model runs.
     """
 
     scheduled_requests: list[Request] = field(default_factory=list)
@@ -139,18 +170,16 @@ class SchedulerOutput:
     num_computed_tokens: dict[str, int] = field(default_factory=dict)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     preempted_requests: list[Request] = field(default_factory=list)
+    admitted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)
     sampling_request_ids: set[str] = field(default_factory=set)
+    token_budget: int = 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
-    total_tokens = total_num_scheduled_tokens  # seed 000's name
-
-    @property
-    def num_scheduled_requests(self) -> int:
-        return len(self.scheduled_requests)
+    total_tokens = total_num_scheduled_tokens  # the README listing's name
 
     def is_empty(self) -> bool:
         return not self.scheduled_requests
@@ -164,14 +193,6 @@ class SchedulerOutput:
         """Scheduled requests that sample at least one token this step, in batch order."""
         return [r for r in self.scheduled_requests if r.request_id in self.sampling_request_ids]
 
-    def is_decoding(self, request: Request) -> bool:
-        """True for a decode row: past the prompt, feeding the last sampled token (and drafts).
-
-        Like :meth:`input_token_ids`, valid between ``schedule()`` and ``update_from_output()``.
-        """
-        start = self.num_computed_tokens[request.request_id]
-        return start >= request.num_prompt_tokens and start == request.num_tokens - 1
-
     def input_token_ids(self, request: Request) -> list[int]:
         """The token ids this step feeds for ``request`` (its known tokens, then its drafts)."""
         rid = request.request_id
@@ -179,10 +200,6 @@ class SchedulerOutput:
         spec = self.scheduled_spec_decode_tokens.get(rid, [])
         end = start + self.num_scheduled_tokens[rid] - len(spec)
         return request.token_ids[start:end] + spec
-
-    def positions(self, request: Request) -> range:
-        start = self.num_computed_tokens[request.request_id]
-        return range(start, start + self.num_scheduled_tokens[request.request_id])
 
 
 class FCFSQueue:
@@ -212,22 +229,20 @@ class FCFSQueue:
     def __iter__(self) -> Iterator[Request]:
         return iter(self._q)
 
-    def __contains__(self, req: Request) -> bool:
-        return req in self._q
-
 
 class PriorityQueue:
-    """The waiting queue of ``policy="priority"``: a heap on (priority, arrival_time, order).
+    """The waiting queue of ``policy="priority"``: a heap on (priority, arrival_time).
 
     A preempted request keeps its arrival time, so it goes back in ahead of everything of its
-    priority that arrived after it.
+    priority that arrived after it. Requests equal on both keys leave in the order they came in.
     """
 
     def __init__(self):
         self._heap: list[tuple[int, float, int, Request]] = []
+        self._insertions = itertools.count()  # the heap's tie-break: Requests do not compare
 
     def add(self, req: Request) -> None:
-        heapq.heappush(self._heap, (req.priority, req.arrival_time, req.order, req))
+        heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._insertions), req))
 
     add_preempted = add
 
@@ -247,9 +262,6 @@ class PriorityQueue:
     def __iter__(self) -> Iterator[Request]:
         return (e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
 
-    def __contains__(self, req: Request) -> bool:
-        return any(e[3] is req for e in self._heap)
-
 
 class Scheduler:
     """vLLM V1's scheduler without chunked prefill: running requests first, then waiting ones.
@@ -262,11 +274,13 @@ class Scheduler:
         block_size: tokens per KV block; every request must use the same.
         block_manager: a chapter 01 :class:`BlockManager` or a subclass (chapter 03's
             ``PrefixCachingBlockManager``); by default ``BlockManager(num_gpu_blocks, block_size)``.
+
+    The defaults size a small example (``Scheduler(policy="priority")`` runs as is).
     """
 
     chunked_prefill = False
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, num_gpu_blocks: int,
+    def __init__(self, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096, num_gpu_blocks: int = 1000,
                  policy: str = "fcfs", block_size: int = 16, block_manager: BlockManager | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -291,6 +305,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_finished = 0
         self.num_steps = 0
+        self.num_draft_tokens = 0  # speculative tokens scheduled for verification
+        self.num_accepted_tokens = 0  # of those, accepted by the target
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -338,12 +354,6 @@ class Scheduler:
     def has_requests(self) -> bool:
         return bool(self.waiting) or bool(self.running)
 
-    def has_unfinished_requests(self) -> bool:
-        return self.has_requests()
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def finish_request(self, request_id: str, status: RequestStatus) -> bool:
         """End a live request with a final ``status``, wherever it is; its blocks go back.
 
@@ -386,11 +396,13 @@ class Scheduler:
         if not out.preempted_requests:
             scheduled_new, budget = self._schedule_waiting(out, budget)
         out.scheduled_requests = scheduled_running + scheduled_new
+        out.admitted_request_ids = [r.request_id for r in scheduled_new]
         self.num_steps += 1
         return out
 
     def _new_output(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_request_ids=self.finished_req_ids)
+        out = SchedulerOutput(finished_request_ids=self.finished_req_ids,
+                              token_budget=self.max_num_batched_tokens)
         self.finished_req_ids = set()
         return out
 
@@ -456,25 +468,22 @@ class Scheduler:
         return num_new + self._num_spec_tokens(req, num_computed, num_new, budget - num_new)
 
     def _num_spec_tokens(self, req: Request, num_computed: int, num_new: int, budget: int) -> int:
-        if not req.spec_token_ids or num_computed + num_new != req.num_tokens:
+        # Drafts only ride on a decode step that feeds the last sampled token.
+        if not req.spec_token_ids or not req.is_decoding or num_computed + num_new != req.num_tokens:
             return 0
-        if num_computed < req.num_prompt_tokens:
-            return 0  # drafts only ride on a decode step
         still_useful = req.max_tokens - req.num_completion_tokens - 1
         return max(0, min(len(req.spec_token_ids), budget, still_useful))
 
     def _admit(self, req: Request, budget: int) -> int:
         """Try to start ``req``: attach its prefix-cache hits and the slots of its first tokens."""
         computed = self.block_manager.get_computed_blocks(req)
-        # The last token is always recomputed: its forward is what samples the next token.
-        max_hit_blocks = (req.num_tokens - 1) // self.block_size
-        computed = computed[:max_hit_blocks]
         num_hit_tokens = len(computed) * self.block_size
         num_new = self._num_new_tokens(req, num_hit_tokens, budget)
         if num_new == 0 or not self.block_manager.allocate_slots(req, num_new, computed):
             return 0
         req.num_computed_tokens = num_hit_tokens
-        req.num_cached_tokens = num_hit_tokens
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_hit_tokens
         return num_new
 
     def _record(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
@@ -492,8 +501,9 @@ class Scheduler:
     # ------------------------------------------------------------------ preemption
     def _select_victim(self) -> Request:
         if self.policy == "priority":
-            # Lower value = more important, so the victim is the largest (priority, arrival).
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time, r.order))
+            # Lower value = more important, so the victim is the largest (priority, arrival);
+            # scanning from the end makes the latest admitted win a tie.
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]  # FCFS: the most recently admitted
 
     def _preempt(self, req: Request) -> None:
@@ -529,6 +539,8 @@ class Scheduler:
                     raise ValueError(f"sampled_token_ids[{rid!r}] must hold 1 to {num_spec + 1} "
                                      f"tokens, got {sampled!r}")
                 num_computed -= num_spec - (len(sampled) - 1)  # rejected drafts are recomputed
+                self.num_draft_tokens += num_spec
+                self.num_accepted_tokens += len(sampled) - 1
                 status = self._append_tokens(req, sampled)
             req.spec_token_ids = []
             if status is not None:
@@ -545,7 +557,7 @@ class Scheduler:
     def _append_tokens(self, req: Request, tokens: list[int]) -> RequestStatus | None:
         for t in tokens:
             req.append_token(t)
-            if not req.ignore_eos and t in req.eos_token_ids:
+            if t in req.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if req.num_completion_tokens >= req.max_tokens:
                 return RequestStatus.FINISHED_LENGTH
@@ -561,6 +573,8 @@ class Scheduler:
             "num_preemptions": self.num_preemptions,
             "num_finished": self.num_finished,
             "num_steps": self.num_steps,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
             "kv_cache_usage": bm.usage,
             "num_free_blocks": bm.get_num_free_blocks(),
         }

@@ -8,7 +8,8 @@ request's forward, checks that its block table really holds its whole computed p
 lost, shared by mistake or hit in the prefix cache with the wrong content fails right there.
 
 Chapter 04's tests and chapter 06's (with chunking on) both run :func:`run_random_workload`;
-import it, never copy it.
+import it, never copy it. Chapter 06 passes its own model class, which reads the step through
+the batch tensors the engine's model runner builds, instead of through :class:`SchedulerOutput`.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def check_output(sched: Scheduler, out: SchedulerOutput, running_before: set[str
 
 def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, prefix_caching: bool = False,
                         chunked: bool = False, policy: str | None = None, spec: bool = True,
-                        max_steps: int = 5000) -> WorkloadResult:
+                        max_steps: int = 5000, model_cls: type[FakeModel] = FakeModel) -> WorkloadResult:
     """Drive one random workload to the end, asserting invariants after every step.
 
     ``make_scheduler(max_num_seqs=, max_num_batched_tokens=, num_gpu_blocks=, policy=,
@@ -134,7 +135,8 @@ def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, 
     size (from "one request barely fits" up), ``max_num_seqs``, token budget, arrival steps,
     prompt lengths (sharing prefixes, so the prefix cache hits), ``max_tokens``, priorities,
     ``ignore_eos``, aborts (between steps and between a schedule and its update), and draft
-    tokens (right or wrong). Returns counters; raises AssertionError on any violation.
+    tokens (right or wrong). ``model_cls`` runs each step (a :class:`FakeModel` or a subclass).
+    Returns counters; raises AssertionError on any violation.
     """
     rng = random.Random(seed)
     vocab = rng.choice([16, 40, 200])  # small vocabularies hit EOS often
@@ -158,7 +160,7 @@ def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, 
     if threshold is not None:
         kwargs["long_prefill_token_threshold"] = threshold
     sched = make_scheduler(**kwargs)
-    model = FakeModel(bm, vocab)
+    model = model_cls(bm, vocab)
     res = WorkloadResult(seed, num_requests=num_requests,
                          params=dict(kwargs, block_manager=type(bm).__name__, vocab=vocab))
 
@@ -184,7 +186,7 @@ def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, 
         if sched.running and rng.random() < p_abort:
             res.num_aborted += sched.abort_request(rng.choice(list(sched.requests)))
         for req in sched.running:  # the engine proposes drafts for decoding requests
-            if rng.random() < p_draft and req.num_computed_tokens == req.num_tokens - 1:
+            if rng.random() < p_draft and req.is_decoding:
                 truth = true_completion(req.token_ids, 4, vocab, ignore_eos=True)
                 req.spec_token_ids = [t if rng.random() < 0.7 else rng.randrange(vocab) for t in truth]
         running_before = {r.request_id for r in sched.running}

@@ -30,14 +30,34 @@ def scheduled(out):
 def test_request_status_and_request_fields():
     assert RequestStatus.FINISHED_LENGTH_CAPPED is RequestStatus.FINISHED_LENGTH  # seed 000's name
     assert [RequestStatus.is_finished(s) for s in RequestStatus] == [False, False, False, True, True, True]
-    r = Request("a", [1, 2, 3], max_tokens=5, priority=2, arrival_time=1.5, eos_token_id=[2, 9])
+    r = Request("a", [1, 2, 3], max_tokens=5, priority=2, arrival_time=1.5, eos_token_id=[2, 9], stop_token_ids=[4])
     assert (r.request_id, r.status, r.priority, r.arrival_time, r.max_tokens) == ("a", RequestStatus.WAITING, 2, 1.5, 5)
-    assert r.spec_token_ids == [] and r.num_preemptions == 0 and r.eos_token_ids == {2, 9}
+    assert r.spec_token_ids == [] and r.num_preemptions == 0 and r.stop_token_ids == {2, 9, 4}
+    assert Request("b", [1], eos_token_id=2, ignore_eos=True, stop_token_ids=[4]).stop_token_ids == {4}
     assert r.num_prompt_tokens == 3 and r.num_computed_tokens == 0 and r.max_num_kv_tokens == 7
+    assert Request("c", [1]).max_tokens == 16
     with pytest.raises(ValueError, match="max_tokens"):
         Request("b", [1], max_tokens=0)
     with pytest.raises(ValueError, match="token_ids"):
         Request("b", [])
+
+
+def test_the_readme_listing_spelling_runs():
+    """The chapter's listing writes requests and reads them with these names: same object."""
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks=100, policy="priority")
+    r = Request(request_id="r0", token_ids=[5, 6, 7], max_new_tokens=2, priority=0)
+    assert (r.max_tokens, r.prompt_token_ids, r.seq_len, r.remaining_tokens, r.num_blocks_needed) == (2, [5, 6, 7], 3, 3, 1)
+    sched.add_request(r)
+    out = sched.schedule()
+    assert out.total_tokens == 3 and out.scheduled_requests == [r] and out.preempted_requests == []
+    sched.update_from_output(out, {"r0": [9]})
+    assert r.output_token_ids == [9] and r.seq_len == 4 and r.remaining_tokens == 1
+    sched.update_from_output(sched.schedule(), {"r0": [9]})
+    assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED and not sched.has_requests()
+    with pytest.raises(ValueError, match="prompt_token_ids or token_ids"):
+        Request("x", [1], token_ids=[1])
+    with pytest.raises(ValueError, match="max_tokens or max_new_tokens"):
+        Request("x", [1], max_tokens=2, max_new_tokens=2)
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -73,10 +93,12 @@ def test_prompts_run_whole_then_decode_one_token_each():
     s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks=16, block_size=BS)
     s.add_request(req("a", 5, max_tokens=3))
     s.add_request(req("b", 9, max_tokens=2))
-    out, _ = step(s)
+    out = s.schedule()
+    assert not any(r.is_decoding for r in out.scheduled_requests)  # prompts; valid until the update
+    s.update_from_output(out, {"a": [7], "b": [7]})
     assert scheduled(out) == [("a", 5), ("b", 9)] and out.total_num_scheduled_tokens == 14
-    assert out.num_computed_tokens == {"a": 0, "b": 0}
-    assert out.sampling_request_ids == {"a", "b"} and not out.is_decoding(out.scheduled_requests[0])
+    assert out.num_computed_tokens == {"a": 0, "b": 0} and out.admitted_request_ids == ["a", "b"]
+    assert out.sampling_request_ids == {"a", "b"} and all(r.is_decoding for r in out.scheduled_requests)
     assert s.requests["a"].num_computed_tokens == 5 and s.requests["a"].completion_token_ids == [7]
     out, fin = step(s)
     assert scheduled(out) == [("a", 1), ("b", 1)] and out.num_computed_tokens == {"a": 5, "b": 9}
@@ -259,8 +281,8 @@ def test_spec_tokens_ride_on_decode_and_rejected_ones_are_recomputed():
     a.spec_token_ids = [11, 12, 13]
     out = s.schedule()
     assert scheduled(out) == [("a", 4)] and out.scheduled_spec_decode_tokens == {"a": [11, 12, 13]}
-    assert out.input_token_ids(a) == [7, 11, 12, 13] and list(out.positions(a)) == [5, 6, 7, 8]
-    assert out.is_decoding(a)
+    assert out.input_token_ids(a) == [7, 11, 12, 13] and out.num_computed_tokens["a"] == 5
+    assert a.is_decoding
     s.update_from_output(out, {"a": [11, 12, 99]})  # 2 of 3 accepted, then the model's own token
     assert a.completion_token_ids == [7, 11, 12, 99] and a.num_computed_tokens == 8 == a.num_tokens - 1
     assert a.spec_token_ids == []
@@ -331,8 +353,9 @@ def test_preempted_request_resumes_with_prefix_hits():
     while b.status != RequestStatus.RUNNING:
         out, _ = step(s)
     # b's two full blocks stayed in the cache (refcount 0) and are hit on the way back: only
-    # its 9th token (the one it had sampled) is recomputed.
-    assert out.num_computed_tokens["b"] == 8 and b.num_cached_tokens == 8
+    # its 9th token (the one it had sampled) is recomputed. Its num_cached_tokens still says
+    # what its first admission found (nothing): it computed those blocks itself.
+    assert out.num_computed_tokens["b"] == 8 and b.num_cached_tokens == 0
     assert scheduled(out)[-1] == ("b", 1)
     while s.has_requests():
         step(s)

@@ -4,24 +4,29 @@ Both take a list of token-id lists (one per request) and ``k``:
 
 * :class:`NgramProposer` returns ``list[list[int]]``, at most ``k`` drafts each (possibly none).
   Its drafts are deterministic, so their q is one-hot (``draft_probs=None`` in the samplers).
-* :class:`DraftModelProposer` returns ``(drafts, draft_probs [B, k, V])``: a smaller causal LM
-  loaded with transformers, drafting greedily (one-hot q) or by sampling at a temperature.
+* :class:`DraftModelProposer` returns ``(drafts, draft_probs)``: a smaller causal LM drafts
+  greedily (``draft_probs`` is None: q is one-hot) or by sampling at a temperature (the
+  ``[B, k, V]`` q the drafts were drawn from). It asks its model for all requests at once,
+  through :class:`BatchedLogitsModel`.
 
-:class:`HFCausalLM` wraps a transformers model with a KV cache per slot that is reused across
-calls by longest common prefix, so a draft or target only computes the tokens it has not seen:
-after a verification step the cache is cropped back to the accepted prefix.
+:class:`HFCausalLM` is such a model on transformers: a KV cache per key (a request id, say),
+reused across calls by longest common prefix, so it only computes the tokens it has not seen;
+after a verification step the cache is cropped back to the accepted prefix. It runs the rows
+one after another; the engine (chapter 07) implements the same protocol on its paged KV cache
+and runs them in one forward.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Hashable
 from pathlib import Path
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
 
-from spec_decode import draft_generate, pad_draft_token_ids
+from spec_decode import pad_draft_token_ids, probs_from_logits
 
 
 class NgramProposer:
@@ -61,22 +66,41 @@ class NgramProposer:
         return [self.propose_one(ids, k) for ids in token_ids_list]
 
 
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids ``a`` and ``b`` share."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if list(a[:n]) == list(b[:n]):
+        return n
+    mismatch = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(mismatch[0])
+
+
+class BatchedLogitsModel(Protocol):
+    """What :class:`DraftModelProposer` drafts with: next-token logits for many contexts at once.
+
+    ``keys`` name a cache per context (e.g. request ids): a model may keep each context's K/V
+    under its key and compute only what changed since the key's last call; ``release`` drops
+    the caches of requests that ended.
+    """
+
+    vocab_size: int
+
+    def get_logits_batch(self, token_ids_list: Sequence[Sequence[int]],
+                         keys: Sequence[Hashable]) -> torch.Tensor:
+        """``[B, V]`` float32 logits predicting the token after each context's last position."""
+
+    def release(self, keys: Sequence[Hashable]) -> None:
+        """Forget the caches of ``keys``."""
 
 
 class HFCausalLM:
     """A transformers causal LM that reuses its KV cache across calls (one cache per ``slot``).
 
-    ``get_logits(ids, num_logits)`` returns the next-token logits of the last ``num_logits``
-    positions of ``ids``. Tokens shared with the slot's previous call are not recomputed: the
-    cache is cropped to the common prefix (a rejected draft's K/V is dropped exactly like vLLM
-    rolls ``num_computed_tokens`` back) and only the new suffix is run.
-    ``num_forwards`` and ``num_tokens_computed`` count the work done.
+    ``get_logits(ids, num_logits, slot)`` returns the next-token logits of the last
+    ``num_logits`` positions of ``ids``. Tokens shared with the slot's previous call are not
+    recomputed: the cache is cropped to the common prefix (a rejected draft's K/V is dropped
+    exactly like vLLM rolls ``num_computed_tokens`` back) and only the new suffix is run. A slot
+    is any hashable key. ``num_forwards`` and ``num_tokens_computed`` count the work done.
     """
 
     def __init__(self, model, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
@@ -86,7 +110,7 @@ class HFCausalLM:
         self.model = model.to(device).eval()
         self.device = torch.device(device)
         self.vocab_size = self.model.config.vocab_size
-        self._caches: dict[int, tuple[object, list[int]]] = {}
+        self._caches: dict[Hashable, tuple[object, list[int]]] = {}
         self.num_forwards = 0
         self.num_tokens_computed = 0
 
@@ -94,14 +118,18 @@ class HFCausalLM:
         """Drop every slot's cache."""
         self._caches.clear()
 
+    def release(self, keys: Sequence[Hashable]) -> None:
+        for key in keys:
+            self._caches.pop(key, None)
+
     @torch.inference_mode()
-    def get_logits(self, token_ids: Sequence[int], num_logits: int = 1, slot: int = 0) -> torch.Tensor:
+    def get_logits(self, token_ids: Sequence[int], num_logits: int = 1, slot: Hashable = 0) -> torch.Tensor:
         """``[num_logits, V]`` float32 logits predicting the token after each last position."""
         ids = list(token_ids)
         if not 1 <= num_logits <= len(ids):
             raise ValueError(f"num_logits must be in [1, len(token_ids)={len(ids)}], got {num_logits}")
         cache, cached_ids = self._caches.get(slot, (None, []))
-        start = min(_common_prefix_len(cached_ids, ids), len(ids) - num_logits)
+        start = min(common_prefix_len(cached_ids, ids), len(ids) - num_logits)
         if start == 0:
             cache = None
         else:
@@ -114,28 +142,22 @@ class HFCausalLM:
         self.num_tokens_computed += len(ids) - start
         return out.logits[0, -num_logits:].float()
 
-    def slot(self, index: int) -> "_SlotView":
-        """A view whose ``get_logits`` uses cache slot ``index`` (one per batch row)."""
-        return _SlotView(self, index)
-
-
-class _SlotView:
-    def __init__(self, lm: HFCausalLM, index: int):
-        self._lm = lm
-        self._index = index
-
-    def get_logits(self, token_ids: Sequence[int], num_logits: int = 1) -> torch.Tensor:
-        return self._lm.get_logits(token_ids, num_logits, slot=self._index)
+    def get_logits_batch(self, token_ids_list: Sequence[Sequence[int]],
+                         keys: Sequence[Hashable]) -> torch.Tensor:
+        """The :class:`BatchedLogitsModel` call, one forward per row: each row has its own cache
+        length, which a dense transformers cache cannot batch without padding."""
+        return torch.stack([self.get_logits(ids, 1, slot=key)[0] for ids, key in zip(token_ids_list, keys)])
 
 
 class DraftModelProposer:
     """Drafts from a smaller causal LM sharing the target's vocabulary.
 
     Args:
-        model: an HF model directory, a transformers model, or an :class:`HFCausalLM`.
-        temperature: 0 drafts greedily and reports one-hot q; above 0 drafts are *sampled*
-            from softmax(logits / T), which is then q. Use the target's temperature: a draft
-            identical to the target then has p == q and every draft is accepted.
+        model: an HF model directory, a transformers model, or a :class:`BatchedLogitsModel`
+            (an :class:`HFCausalLM`, or the engine's paged draft model).
+        temperature: 0 drafts greedily (q is one-hot, reported as None); above 0 drafts are
+            *sampled* from softmax(logits / T), which is then q. Use the target's temperature:
+            a draft identical to the target then has p == q and every draft is accepted.
         generator: torch generator for sampled drafts.
     """
 
@@ -143,7 +165,7 @@ class DraftModelProposer:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        self.lm = model if isinstance(model, HFCausalLM) else HFCausalLM(model, device, dtype)
+        self.lm = model if hasattr(model, "get_logits_batch") else HFCausalLM(model, device, dtype)
         self.temperature = temperature
         self.generator = generator
 
@@ -151,30 +173,56 @@ class DraftModelProposer:
     def vocab_size(self) -> int:
         return self.lm.vocab_size
 
-    def propose(self, token_ids_list: Sequence[Sequence[int]], k: int,
-                ) -> tuple[list[list[int]], torch.Tensor]:
-        """``(drafts, draft_probs)``: k tokens per request and the ``[B, k, V]`` q they came from.
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
 
-        Batch row i keeps its KV cache in slot i across calls, so pass requests in a stable order.
+    def propose(self, token_ids_list: Sequence[Sequence[int]], k: int,
+                keys: Sequence[Hashable] | None = None) -> tuple[list[list[int]], torch.Tensor | None]:
+        """``(drafts, draft_probs)``: k tokens per request and the ``[B, k, V]`` q they came from
+        (None for greedy drafts).
+
+        ``keys`` name each request's cache in the model; by default its row. Pass request ids
+        when the batch changes between calls, so that a request keeps its cache wherever it
+        sits, and :meth:`release` them when the requests end. One model call per draft position
+        serves the whole batch.
         """
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
-        drafts, probs = [], []
         for i, ids in enumerate(token_ids_list):
             if not ids:
                 raise ValueError(f"token_ids_list[{i}] is empty")
-            tokens, q = draft_generate(self.lm.slot(i), ids, k, self.temperature, self.generator)
-            drafts.append(tokens)
-            probs.append(q if k else torch.empty(0, self.vocab_size))
+        keys = list(range(len(token_ids_list))) if keys is None else list(keys)
+        if len(keys) != len(token_ids_list):
+            raise ValueError(f"keys has {len(keys)} entries for {len(token_ids_list)} requests")
+        contexts = [list(ids) for ids in token_ids_list]
+        drafts: list[list[int]] = [[] for _ in contexts]
+        probs = []
+        for _ in range(k if contexts else 0):
+            q = probs_from_logits(self.lm.get_logits_batch(contexts, keys), self.temperature)
+            if self.greedy:
+                tokens = q.argmax(-1)
+            else:
+                tokens = torch.multinomial(q, 1, generator=self.generator).squeeze(1)
+                probs.append(q)
+            for ctx, row, t in zip(contexts, drafts, tokens.tolist()):
+                ctx.append(t)
+                row.append(t)
+        if self.greedy:
+            return drafts, None
         if not probs:
-            return drafts, torch.empty(0, k, self.vocab_size)
-        return drafts, torch.stack(probs)
+            return drafts, torch.empty(len(contexts), k, self.vocab_size)
+        return drafts, torch.stack(probs, dim=1)
 
     def propose_tensors(self, token_ids_list: Sequence[Sequence[int]], k: int,
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Like :meth:`propose` but drafts as a ``[B, k]`` long tensor, ready for the samplers."""
         drafts, probs = self.propose(token_ids_list, k)
         return pad_draft_token_ids(drafts, k), probs
+
+    def release(self, keys: Sequence[Hashable]) -> None:
+        """Drop the model's caches of requests that ended."""
+        self.lm.release(keys)
 
 
 def make_truncated_draft(model_dir: str | Path, num_layers: int, out_dir: str | Path) -> str:

@@ -326,8 +326,9 @@ def speculative_decode_step(target_model: LogitsModel, draft_model: LogitsModel 
                                    temperature, generator)
     else:
         proposal = draft_model.propose([list(context_ids)], num_speculative_tokens)
-        if isinstance(proposal, tuple):
-            drafts, q = proposal[0][0], proposal[1][0, :len(proposal[0][0])]
+        if isinstance(proposal, tuple):  # a draft model: (drafts, q or None when greedy)
+            drafts, probs = proposal[0][0], proposal[1]
+            q = None if probs is None else probs[0, :len(drafts)]
         else:
             drafts, q = proposal[0], None
     tokens, num_accepted = verify_and_sample(target_model, context_ids, drafts, q,

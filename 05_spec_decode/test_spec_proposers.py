@@ -50,20 +50,46 @@ def test_cached_logits_equal_a_fresh_forward(tiny_llama_dir):
         lm.get_logits(ids[:2], 3)
 
 
-def test_draft_model_proposer_shapes_and_one_hot_greedy_probs(tiny_llama_dir):
+def test_draft_model_proposer_greedy_and_sampled_drafts(tiny_llama_dir):
     proposer = DraftModelProposer(tiny_llama_dir)
-    drafts, probs = proposer.propose([[5, 6, 7], [9, 10, 11, 12, 13]], 3)
-    assert [len(d) for d in drafts] == [3, 3]
+    contexts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    drafts, probs = proposer.propose(contexts, 3)
+    assert [len(d) for d in drafts] == [3, 3] and probs is None  # greedy: q is one-hot
+    lm = HFCausalLM(tiny_llama_dir)
+    for ctx, row in zip(contexts, drafts):  # each draft is the argmax after the ones before it
+        for j, t in enumerate(row):
+            assert t == int(lm.get_logits(ctx + row[:j], 1)[0].argmax())
+    ids, none = proposer.propose_tensors(contexts, 3)
+    assert ids.tolist() == drafts and none is None
+    sampler = DraftModelProposer(proposer.lm, temperature=0.8, generator=torch.Generator().manual_seed(0))
+    drafts, probs = sampler.propose(contexts, 3)
     assert probs.shape == (2, 3, 512)
-    for b in range(2):
-        for j in range(3):
-            assert probs[b, j, drafts[b][j]] == 1.0 and probs[b, j].sum() == 1.0
-    ids, probs2 = proposer.propose_tensors([[5, 6, 7], [9, 10, 11, 12, 13]], 3)
-    assert ids.tolist() == drafts and torch.equal(probs, probs2)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 3))
+    assert all(probs[b, j, drafts[b][j]] > 0 for b in range(2) for j in range(3))
     with pytest.raises(ValueError, match="token_ids_list"):
         proposer.propose([[]], 2)
+    with pytest.raises(ValueError, match="keys"):
+        proposer.propose(contexts, 2, keys=["a"])
     with pytest.raises(ValueError, match="temperature"):
         DraftModelProposer(proposer.lm, temperature=-1)
+
+
+def test_draft_caches_follow_keys_not_rows(tiny_llama_dir):
+    """A request keeps its cache under its key when the batch reorders, and loses it on release."""
+    proposer = DraftModelProposer(tiny_llama_dir)
+    lm = proposer.lm
+    a, b = [5, 6, 7, 8, 9, 10], [20, 21, 22, 23]
+    first, _ = proposer.propose([a, b], 2, keys=["a", "b"])
+    computed = lm.num_tokens_computed
+    swapped, _ = proposer.propose([b + first[1], a + first[0]], 2, keys=["b", "a"])
+    # Each cache already holds its context and first draft: one new token per request per position.
+    assert lm.num_tokens_computed - computed == 2 * 1 + 2 * 1
+    fresh, _ = DraftModelProposer(HFCausalLM(lm.model)).propose([b + first[1], a + first[0]], 2)
+    assert swapped == fresh
+    proposer.release(["a"])
+    computed = lm.num_tokens_computed
+    proposer.propose([a], 1, keys=["a"])
+    assert lm.num_tokens_computed - computed == len(a)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -139,8 +139,7 @@ class ToyRunner:
         if out.is_empty():
             return {}
         info = SchedulerInfo.from_scheduler_output(out)
-        inp = build_batch_inputs(info, [r.block_table for r in out.scheduled_requests], self.block_size,
-                                 self.kv_cache.device)
+        inp = build_batch_inputs(info, self.block_size, self.kv_cache.device)
         logits = self.model(inp, self.kv_cache)
         greedy = logits.argmax(-1).tolist()
         sampled, row = {}, 0

@@ -5,6 +5,7 @@ import torch
 
 from block_manager import BlockManager
 from chunked_prefill import ChunkedPrefillScheduler, SchedulerInfo, build_batch_inputs
+from chunked_prefill_testing import FakeBatchModel
 from scheduler import Request, Scheduler
 from scheduler_testing import run_random_workload
 
@@ -95,11 +96,13 @@ def test_scheduler_info_describes_a_mixed_batch():
     assert info.merge_prompt == [7, 8, 9, 20, 21, 22, 23, 24]
     assert info.chunk_idx == [0, 3] and info.chunk_len == [3, 5]
     assert info.kv_len == [3, 0] and info.kv_page_len == [2, 2]
+    assert info.block_tables == [r.block_table for r in out.scheduled_requests]
     assert info.is_decoding == [True, False] and info.last_pos == [2, -1] and info.num_spec == [2, 0]
     assert (info.decoding_batch, info.prefill_batch) == (1, 1)
     assert info.logits_indices == [0, 1, 2]  # every position of the row with 2 drafts
+    assert info.num_sample_rows == [3, 0]
 
-    inp = build_batch_inputs(info, [r.block_table for r in out.scheduled_requests], BS)
+    inp = build_batch_inputs(info, BS)
     assert inp.input_ids.tolist() == info.merge_prompt
     assert inp.positions.tolist() == [3, 4, 5, 0, 1, 2, 3, 4]
     assert inp.cu_seqlens_q.tolist() == [0, 3, 8] and inp.seq_lens_k.tolist() == [6, 5]
@@ -109,8 +112,8 @@ def test_scheduler_info_describes_a_mixed_batch():
     assert inp.block_tables.tolist() == [d.block_table, p.block_table]
     assert (inp.max_seqlen_q, inp.max_seqlen_k) == (5, 6) and inp.logits_indices.tolist() == [0, 1, 2]
     assert inp.cu_seqlens_q.dtype == inp.seq_lens_k.dtype == torch.int32
-    with pytest.raises(ValueError, match="block_tables"):
-        build_batch_inputs(info, [d.block_table], BS)
+    with pytest.raises(ValueError, match="empty"):
+        build_batch_inputs(SchedulerInfo(), BS)
 
 
 def test_preempted_request_resumes_in_chunks():
@@ -131,8 +134,9 @@ def test_preempted_request_resumes_in_chunks():
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["paged", "prefix_cache"])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_random_workloads_with_chunking(policy, prefix_caching):
+    """The engine's hand-off under test: every step goes through SchedulerInfo and the batch tensors."""
     results = [run_random_workload(ChunkedPrefillScheduler, seed, chunked=True, policy=policy,
-                                   prefix_caching=prefix_caching) for seed in range(400)]
+                                   prefix_caching=prefix_caching, model_cls=FakeBatchModel) for seed in range(400)]
     assert sum(r.num_steps for r in results) > 4000
     assert sum(r.num_preemptions for r in results) > 50
     assert sum(r.num_spec_accepted for r in results) > 500

@@ -39,7 +39,7 @@ def run(model, sched, arrive_at=2, check_logits=True, drafts=False, runner=None)
         out = sched.schedule()
         sampled = runner.execute(out)
         chunk_rows = [r for r in out.scheduled_requests if not out.produces_token(r)]
-        decode_rows = [r for r in out.scheduled_requests if out.is_decoding(r)]
+        decode_rows = [r for r in out.scheduled_requests if r.is_decoding]
         mixed_steps += bool(chunk_rows and decode_rows)
         if check_logits:
             for r in out.sampling_requests:

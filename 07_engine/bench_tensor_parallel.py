@@ -93,12 +93,13 @@ def run_one(model_dir: str, tp: int, args) -> dict:
     for _ in range(args.calls):
         engine.executor.call("get_num_kvcache_blocks")
     call_us = (time.perf_counter() - start) / args.calls * 1e6
-    # One decode step's arguments as the workers receive them (requests after their prefill).
+    # One decode step's scheduler output as the workers receive it (requests after their prefill).
     for p in prompts:
         engine.add_request(p, params)
     engine.step()
-    running = list(engine.scheduler.running)
-    payload = len(pickle.dumps(("execute_model", (running, [1] * len(running)), {})))
+    decode = engine.scheduler.schedule()
+    payload = len(pickle.dumps(("execute_model", (decode,), {})))
+    engine.scheduler.update_from_output(decode, engine.executor.call("execute_model", decode))
     while engine.has_unfinished_requests():
         engine.step()
     tokens = sum(len(o["token_ids"]) for o in outs)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from block_manager import BlockManager
+from chunked_prefill import SchedulerInfo, build_batch_inputs
 from sequence import Sequence
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.cuda_graph import CUDAGraphRunner, capture_batch_sizes
@@ -112,8 +113,8 @@ def _prefilled_runner(model_dir: str, device: str, num_seqs: int):
     for s in seqs:
         assert bm.allocate_slots(s, s.num_tokens)
     with torch.inference_mode():
-        inp = runner.prepare_inputs(seqs, [s.num_tokens for s in seqs])
-        runner.model(inp.input_ids, inp.positions, inp.attn_metadata)
+        runner.compute_logits(build_batch_inputs(SchedulerInfo.from_sequences(seqs, [s.num_tokens for s in seqs]),
+                                                 BLOCK))
     for s in seqs:  # one decode token each, crossing a block boundary for some
         s.num_computed_tokens = s.num_tokens
         s.append_token(int(torch.randint(3, 512, (1,), generator=g)))
@@ -130,12 +131,13 @@ def _graph_equals_eager(model_dir: str, device: str, use_cuda_graph: bool, num_s
     graphs.capture()
     assert torch.equal(runner.kv_cache, kv_before_capture), "capture wrote into the KV cache"
     with torch.inference_mode():
-        inp = runner.prepare_inputs(seqs, [1] * len(seqs))
-        assert graphs.can_run(inp.input_ids, inp.attn_metadata)
-        eager = runner.model(inp.input_ids, inp.positions, inp.attn_metadata).clone()
+        batch = build_batch_inputs(SchedulerInfo.from_sequences(seqs, [1] * len(seqs)), BLOCK)
+        md = ModelRunner.attention_metadata(batch)
+        assert graphs.can_run(batch.input_ids, md)
+        eager = runner.model(batch.input_ids, batch.positions, md).clone()
         kv_eager = runner.kv_cache.clone()
         runner.kv_cache.copy_(kv_before_capture)
-        replayed = graphs.run(inp.input_ids, inp.positions, inp.attn_metadata).clone()
+        replayed = graphs.run(batch.input_ids, batch.positions, md).clone()
     torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
     # The replay wrote the same new K/V into the same slots, and the padded rows wrote nothing.
     torch.testing.assert_close(runner.kv_cache, kv_eager, rtol=1e-4, atol=1e-4)

@@ -71,11 +71,11 @@ def test_streaming_outputs_add_up(llm, tiny_llama_dir):
     while engine.has_unfinished_requests():
         pieces += engine.step()
     assert all(o.request_id == rid for o in pieces)
-    assert [t for o in pieces for t in o.new_token_ids] == pieces[-1].token_ids == hf_greedy(tiny_llama_dir, tuple(prompt))
+    assert [t for o in pieces for t in o.new_token_ids] == pieces[-1].completion_token_ids == hf_greedy(tiny_llama_dir, tuple(prompt))
     assert pieces[-1].finished and not any(o.finished for o in pieces[:-1])
     assert pieces[-1].finish_reason in ("stop", "length") and pieces[-1].num_prompt_tokens == 11
     stats = engine.get_stats()
-    assert stats["generation_tokens_total"] >= len(pieces[-1].token_ids)
+    assert stats["generation_tokens_total"] >= len(pieces[-1].completion_token_ids)
     assert set(stats) >= {"num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_queries",
                           "prefix_cache_hits", "prompt_tokens_total", "num_preemptions_total"}
 
@@ -104,7 +104,7 @@ def test_abort_mid_generation_frees_blocks(llm):
         outs += engine.step()
     done = {o.request_id: o for o in outs if o.finished}
     assert done["a"].finish_reason == "abort" and done["b"].finish_reason == "length"
-    assert len(done["b"].token_ids) == 3
+    assert len(done["b"].completion_token_ids) == 3
     assert_no_leak(llm)
 
 
@@ -120,7 +120,7 @@ def test_generation_stops_at_max_model_len(llm):
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
-    assert len(outs[-1].token_ids) == 128 - 120 and outs[-1].finish_reason == "length"
+    assert len(outs[-1].completion_token_ids) == 128 - 120 and outs[-1].finish_reason == "length"
 
 
 def test_stop_token_ids_end_the_output(llm, tiny_llama_dir):

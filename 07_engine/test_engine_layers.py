@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama import modeling_llama as hf_llama
 
+from chunked_prefill import SchedulerInfo, build_batch_inputs
 from sequence import Sequence
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.layers.layernorm import RMSNorm
@@ -112,10 +113,11 @@ def test_model_runner_packs_every_linear_and_logits_do_not_change(tiny_llama_dir
     assert all(m.packed_weight is not None for m in packable)
     seq = Sequence(list(range(3, 14)), block_size=4)
     seq.block_table = [0, 1, 2]
-    packed_logits, _ = runner.compute_logits([seq], [11])
+    batch = build_batch_inputs(SchedulerInfo.from_sequences([seq], [11]), 4)
+    packed_logits = runner.compute_logits(batch)
     for m in packable:
         m.packed_weight = m.packed_weight_fp32 = None
-    plain_logits, _ = runner.compute_logits([seq], [11])
+    plain_logits = runner.compute_logits(batch)
     assert torch.equal(packed_logits, plain_logits)
 
 
@@ -181,22 +183,21 @@ def test_unknown_architecture_is_a_value_error():
         get_model_class(LlamaConfig(architectures=["GPT2LMHeadModel"]))
 
 
-def test_prepare_inputs_for_a_mixed_batch(tiny_llama_dir):
+def test_a_mixed_batch_reaches_attention_as_chapter_06_builds_it():
     """A prefill chunk, a decode and a chunk that does not reach the end of its prompt."""
-    runner = ModelRunner(EngineConfig(tiny_llama_dir, device="cpu", kvcache_block_size=4, num_kvcache_blocks=32,
-                                      dtype="float32"))
     a = Sequence(list(range(10, 16)), block_size=4)  # 6 prompt tokens, all scheduled
     a.block_table = [5, 2]
     b = Sequence(list(range(20, 29)), block_size=4)  # decoding: 8 computed, 1 new
     b.num_computed_tokens, b.block_table = 8, [0, 1, 3]
     c = Sequence(list(range(30, 40)), block_size=4)  # chunk of 3 starting at 4, prompt of 10
     c.num_computed_tokens, c.block_table = 4, [7, 8]
-    inp = runner.prepare_inputs([a, b, c], [6, 1, 3])
-    assert inp.input_ids.tolist() == list(range(10, 16)) + [28] + [34, 35, 36]
-    assert inp.positions.tolist() == [0, 1, 2, 3, 4, 5, 8, 4, 5, 6]
-    assert inp.attn_metadata.slot_mapping.tolist() == [20, 21, 22, 23, 8, 9, 12, 32, 33, 34]
-    assert inp.attn_metadata.cu_seqlens_q.tolist() == [0, 6, 7, 10]
-    assert inp.attn_metadata.seq_lens_k.tolist() == [6, 9, 7]
-    assert inp.attn_metadata.block_tables.tolist() == [[5, 2, 0], [0, 1, 3], [7, 8, 0]]
-    assert not inp.attn_metadata.is_decode
-    assert inp.logits_indices.tolist() == [5, 6] and inp.num_sample_rows == [1, 1, 0]
+    batch = build_batch_inputs(SchedulerInfo.from_sequences([a, b, c], [6, 1, 3]), 4)
+    md = ModelRunner.attention_metadata(batch)
+    assert batch.input_ids.tolist() == list(range(10, 16)) + [28] + [34, 35, 36]
+    assert batch.positions.tolist() == [0, 1, 2, 3, 4, 5, 8, 4, 5, 6]
+    assert md.slot_mapping.tolist() == [20, 21, 22, 23, 8, 9, 12, 32, 33, 34]
+    assert md.cu_seqlens_q.tolist() == [0, 6, 7, 10]
+    assert md.seq_lens_k.tolist() == [6, 9, 7]
+    assert md.block_tables.tolist() == [[5, 2, 0], [0, 1, 3], [7, 8, 0]]
+    assert not md.is_decode and (md.max_seqlen_q, md.max_seqlen_k) == (6, 9)
+    assert batch.logits_indices.tolist() == [5, 6]

@@ -7,9 +7,31 @@ target, an n-gram lookup on a repetitive prompt) or mostly wrong (an unrelated d
 from __future__ import annotations
 
 import pytest
+import torch
 
+from chunked_prefill import SchedulerInfo
 from test_engine_parity import BLOCK, GREEDY, assert_no_leak, hf_greedy, make_prompts
 from vllm_from_scratch import LLM, SamplingParams
+from vllm_from_scratch.config import EngineConfig
+from vllm_from_scratch.model_runner import ModelRunner
+from vllm_from_scratch.sampler import SamplingTensors
+
+
+def test_verify_drafts_keeps_the_agreeing_prefix_then_one_token(tiny_llama_dir):
+    """Greedy rows: a's first draft agrees with the target, its second does not; b has no drafts;
+    c is a prompt chunk that samples nothing."""
+    runner = ModelRunner(EngineConfig(tiny_llama_dir, device="cpu", kvcache_block_size=4, num_kvcache_blocks=8,
+                                      dtype="float32"))
+    info = SchedulerInfo()
+    info.add_row("a", [7, 11, 12], 5, [0, 1], samples=True, num_spec=2, is_decoding=True)
+    info.add_row("b", [9], 3, [2], samples=True, is_decoding=True)
+    info.add_row("c", [1, 2, 3], 0, [3], samples=False)
+    V = 512
+    logits = torch.zeros(4, V)
+    for row, token in enumerate([11, 40, 99, 5]):  # a: agrees with 11, says 40 instead of 12; b: 5
+        logits[row, token] = 10.0
+    sampling = SamplingTensors(torch.zeros(4), None, None, None, ["a", "b"], [None, None])
+    assert runner.verify_drafts(logits, sampling, info) == {"a": [11, 40], "b": [5]}
 
 
 def _spec_llm(model_dir, spec, **kw):
@@ -25,12 +47,13 @@ def test_draft_model_keeps_greedy_output(tiny_llama_dir, tiny_qwen3_dir, draft):
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for p, o in zip(prompts, outs):
         assert o["token_ids"] == hf_greedy(tiny_llama_dir, tuple(p))
-    spec = llm.llm_engine.spec_decoder
-    assert spec.num_drafts > 0
+    stats = llm.llm_engine.get_stats()
+    drafts, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+    assert drafts > 0
     if draft == "same":  # the target agrees with itself: every draft is accepted
-        assert spec.num_accepted == spec.num_drafts
+        assert accepted == drafts
     else:
-        assert spec.num_accepted < spec.num_drafts
+        assert accepted < drafts
     assert_no_leak(llm)
 
 
@@ -42,7 +65,7 @@ def test_ngram_keeps_greedy_output_with_chunks_and_prefix_cache(tiny_qwen3_dir):
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for p, o in zip(prompts, outs):
         assert o["token_ids"] == hf_greedy(tiny_qwen3_dir, tuple(p))
-    assert llm.llm_engine.spec_decoder.num_drafts > 0
+    assert llm.llm_engine.get_stats()["spec_decode_num_draft_tokens"] > 0
     assert_no_leak(llm)
 
 

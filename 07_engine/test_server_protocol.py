@@ -38,7 +38,7 @@ class ScriptedEngine:
                           prefix_cache_hits=0, num_preemptions_total=0)
         self.step_delay = 0.0
 
-    def add_request(self, prompt, params, request_id=None):
+    def add_request(self, prompt, params, request_id=None, priority=0):
         if not prompt:
             raise ValueError("prompt must not be empty")
         if any(not 0 <= t < self.vocab_size for t in prompt):

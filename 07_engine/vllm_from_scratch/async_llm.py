@@ -47,6 +47,7 @@ class _Add:
     request_id: str
     prompt: Any
     params: Any
+    priority: int
     stream: _Stream
     accepted: asyncio.Future = field(repr=False)
 
@@ -122,14 +123,14 @@ class AsyncLLM:
 
     # ---- called from the asyncio side --------------------------------------------------------
 
-    async def add_request(self, request_id: str, prompt, params) -> RequestStream:
+    async def add_request(self, request_id: str, prompt, params, priority: int = 0) -> RequestStream:
         """Queue a request; returns once the engine accepted it (its ``ValueError`` if not)."""
         if not self.is_running:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop=loop, queue=asyncio.Queue(), arrival=time.perf_counter())
         accepted = loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, stream, accepted))
+        self._commands.put(_Add(request_id, prompt, params, priority, stream, accepted))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -174,7 +175,8 @@ class AsyncLLM:
 
     def _add(self, command: _Add) -> None:
         try:
-            self.engine.add_request(command.prompt, command.params, request_id=command.request_id)
+            self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
+                                    priority=command.priority)
         except Exception as exc:  # noqa: BLE001 - handed to the caller, the loop lives on
             _resolve(command.stream.loop, command.accepted, exc)
             return

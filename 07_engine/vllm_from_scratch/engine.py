@@ -2,16 +2,19 @@
 
 One :meth:`LLMEngine.step`::
 
-    (speculative decoding: propose drafts for decoding requests)        chapter 05
+    drafter.propose(running)      drafts for decoding requests          chapter 05
     scheduler.schedule()          who runs, with how many tokens       chapters 04 / 06
        └─ block manager           KV blocks, prefix-cache hits         chapters 01 / 03
-    executor.call("execute_model") one forward over the mixed batch     this chapter
+    executor.call("execute_model", scheduler_output)                   this chapter
+       ├─ SchedulerInfo, build_batch_inputs   the flat batch            chapter 06
        ├─ store_kvcache           write the new K/V into their slots   chapter 01
        ├─ paged attention         read the cache through block tables  chapter 02
        └─ sampler / rejection     next token(s) per request            this chapter / 05
-    scheduler.update_from_output() append tokens, EOS / max_tokens, free finished blocks
-    detokenize incrementally, check stop strings and stop_token_ids → RequestOutput
+    scheduler.update_from_output() append tokens, stop tokens / max_tokens, free finished blocks
+    detokenize incrementally, check stop strings → RequestOutput
 
+The :class:`scheduler.SchedulerOutput` is the one hand-off: the model runner reads it and
+nothing else, and the outputs are made from it after the update.
 ``add_request``/``step``/``abort_request`` are the streaming interface the OpenAI server drives;
 :class:`vllm_from_scratch.llm.LLM` drives the same loop for offline batches.
 """
@@ -43,14 +46,15 @@ FINISH_REASONS = {
 class RequestOutput:
     """What one step produced for one request (streamed to clients as it comes).
 
-    ``new_token_ids``/``new_text`` are this step's increment; ``token_ids``/``text`` everything
-    generated so far. ``finish_reason`` is "stop" (EOS, stop string or stop token), "length"
+    ``new_token_ids``/``new_text`` are this step's increment; ``completion_token_ids``/``text``
+    everything generated so far. ``finish_reason`` is "stop" (a stop token or string), "length"
     (max_tokens or max_model_len) or "abort", and None while the request runs.
+    ``num_cached_tokens`` are prompt tokens that were not computed (prefix-cache hits).
     """
 
     request_id: str
     new_token_ids: list[int]
-    token_ids: list[int]
+    completion_token_ids: list[int]
     new_text: str
     text: str
     finished: bool
@@ -90,17 +94,15 @@ class EngineRequest(Request):
     generator, the detokenizer and how much text has been streamed."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
-                 eos_token_ids, block_size: int, tokenizer):
-        super().__init__(request_id, prompt_token_ids, max_tokens=max_tokens, eos_token_id=eos_token_ids,
-                         ignore_eos=params.ignore_eos, block_size=block_size)
+                 eos_token_ids: list[int], block_size: int, tokenizer, priority: int = 0):
+        super().__init__(request_id, prompt_token_ids, max_tokens=max_tokens, priority=priority,
+                         eos_token_id=eos_token_ids, ignore_eos=params.ignore_eos,
+                         stop_token_ids=params.stop_token_ids, block_size=block_size)
         self.sampling_params = params
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_token_ids)
-        self.num_output_tokens = 0  # tokens reported (a stop token ends the output early)
         self.text = ""  # the decoded output, cut at a stop string
         self.num_text_sent = 0
-        self.stop_reason: str | None = None
-        self.num_cached_prompt_tokens = 0
 
     def __getstate__(self) -> dict:
         # Requests are pickled to tensor-parallel workers every step; they only build inputs
@@ -138,7 +140,7 @@ class LLMEngine:
         num_blocks = self.executor.call("get_num_kvcache_blocks")
         self.block_manager = self._make_block_manager(num_blocks)
         self.scheduler = self._make_scheduler()
-        self.spec_decoder = self._make_spec_decoder()
+        self.drafter = self._make_drafter(num_blocks)
         self.requests: dict[str, EngineRequest] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -163,18 +165,21 @@ class LLMEngine:
 
     def _make_scheduler(self) -> Scheduler:
         cfg = self.config
-        cls = Scheduler
-        if cfg.enable_chunked_prefill:
-            from chunked_prefill import ChunkedPrefillScheduler as cls
-        return cls(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.block_manager.num_blocks,
-                   block_size=cfg.kvcache_block_size, block_manager=self.block_manager)
+        args = dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                    num_gpu_blocks=self.block_manager.num_blocks, policy=cfg.scheduling_policy,
+                    block_size=cfg.kvcache_block_size, block_manager=self.block_manager)
+        if not cfg.enable_chunked_prefill:
+            return Scheduler(**args)
+        from chunked_prefill import ChunkedPrefillScheduler
 
-    def _make_spec_decoder(self):
-        if self.config.speculative_config is None:
+        return ChunkedPrefillScheduler(**args, long_prefill_token_threshold=cfg.long_prefill_token_threshold)
+
+    def _make_drafter(self, num_blocks: int):
+        if self.config.speculative is None:
             return None
-        from vllm_from_scratch.spec_decoding import SpecDecoder
+        from vllm_from_scratch.spec_decoding import DraftProposer
 
-        return SpecDecoder(self.config)
+        return DraftProposer(self.config, num_blocks)
 
     # ------------------------------------------------------------------ requests
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -198,16 +203,19 @@ class LLMEngine:
         return token_ids
 
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None) -> EngineRequest:
+                     request_id: str | None = None, priority: int = 0) -> EngineRequest:
         """Validate everything about a request and build it, without queueing it.
 
         ``LLM.generate`` builds every request first, so a bad prompt anywhere in a batch raises
-        before anything is scheduled.
+        before anything is scheduled. ``priority`` matters with ``scheduling_policy="priority"``:
+        lower values are served first.
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
         token_ids = self.encode_prompt(prompt)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
@@ -215,16 +223,18 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         # Generation stops at max_model_len as in vLLM (finish reason "length").
         max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
-        eos = [] if params.ignore_eos else self.eos_token_ids
-        req = EngineRequest(request_id, token_ids, params, max_tokens, eos, self.config.kvcache_block_size,
-                            self.tokenizer)
+        req = EngineRequest(request_id, token_ids, params, max_tokens, self.eos_token_ids,
+                            self.config.kvcache_block_size, self.tokenizer, priority)
         self.scheduler.check_schedulable(req)  # e.g. more KV blocks than the whole cache
         return req
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(self, prompt: str | list[int] | EngineRequest, params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> str:
         """Queue a request; returns its id. Raises ``ValueError`` (and queues nothing) on bad input."""
-        req = prompt if isinstance(prompt, EngineRequest) else self.make_request(prompt, params, request_id)
+        if isinstance(prompt, EngineRequest):
+            req = prompt
+        else:
+            req = self.make_request(prompt, params, request_id, priority)
         self.scheduler.add_request(req)
         self.requests[req.request_id] = req
         return req.request_id
@@ -234,7 +244,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or not self.scheduler.abort_request(request_id):
             return False
-        self._pending_outputs.append(self._finish(req, "abort"))
+        self._pending_outputs.append(self._finish(req, "abort", []))
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -244,56 +254,36 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, fold the results back; outputs of requests that advanced."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        if self.spec_decoder is not None:
-            self.spec_decoder.propose(self.scheduler.running)
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty():
             return outputs
-        reqs = sched.scheduled_requests
-        num_tokens = [sched.num_scheduled_tokens[r.request_id] for r in reqs]
-        if self.spec_decoder is not None:
-            sampled = self.spec_decoder.execute(self.executor, reqs, num_tokens)
-        else:
-            sampled = self.executor.call("execute_model", reqs, num_tokens)
+        num_tokens_before = {r.request_id: r.num_tokens for r in sched.sampling_requests}
+        sampled = self.executor.call("execute_model", sched)
+        self.scheduler.update_from_output(sched, sampled)
         for req in sched.sampling_requests:
-            if req.num_output_tokens == 0:  # the scheduler resets it when it frees the blocks
-                req.num_cached_prompt_tokens = req.num_cached_tokens
-        finished = {r.request_id: r for r in self.scheduler.update_from_output(sched, sampled)}
-        for req in sched.sampling_requests:
-            if req.request_id in self.requests:
-                outputs.append(self._make_output(req, len(sampled[req.request_id]), finished.get(req.request_id)))
+            if req.request_id in self.requests:  # not aborted while the forward ran
+                outputs.append(self._process(req, req.token_ids[num_tokens_before[req.request_id]:]))
+        if self.drafter is not None:
+            self.drafter.release(sched.finished_request_ids | {o.request_id for o in outputs if o.finished})
         return outputs
 
-    def _make_output(self, req: EngineRequest, num_new: int, finished: EngineRequest | None) -> RequestOutput:
-        params = req.sampling_params
-        if req.num_output_tokens == 0:
+    def _process(self, req: EngineRequest, new_ids: list[int]) -> RequestOutput:
+        """Detokenize ``req``'s new tokens, apply its stop strings, and report the step."""
+        if len(new_ids) == req.num_completion_tokens:
             self.prompt_tokens_total += req.num_prompt_tokens
-        completion = req.completion_token_ids
-        start = req.num_output_tokens
-        new_ids = completion[start:]
-        # A stop token ends the output where it is (drafts accepted after it are dropped).
-        for i, t in enumerate(new_ids):
-            if t in params.stop_token_ids and not params.ignore_eos:
-                new_ids = new_ids[: i + 1]
-                req.stop_reason = "stop"
-                break
-        req.num_output_tokens += len(new_ids)
         self.generation_tokens_total += len(new_ids)
-        req.detokenizer.update(req.prompt_token_ids + completion[: req.num_output_tokens])
+        req.detokenizer.update(req.token_ids)
         req.text = req.detokenizer.text
-        if params.stop and self._cut_at_stop_string(req):
-            req.stop_reason = "stop"
-        reason = None
-        if finished is not None:
-            reason = FINISH_REASONS[finished.status]
-        if req.stop_reason is not None:
-            reason = req.stop_reason
-            if finished is None:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-        if reason is not None:
-            return self._finish(req, reason, new_ids)
+        stop_strings = req.sampling_params.stop
+        hit_stop_string = bool(stop_strings) and self._cut_at_stop_string(req)
+        if hit_stop_string and not req.is_finished:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        if req.is_finished:
+            return self._finish(req, "stop" if hit_stop_string else FINISH_REASONS[req.status], new_ids)
         # Hold back what could still become a stop string, so streamed text never shows one.
-        hold = max((len(s) for s in params.stop), default=1) - 1
+        hold = max((len(s) for s in stop_strings), default=1) - 1
         return self._output(req, new_ids, max(req.num_text_sent, len(req.text) - hold), None)
 
     @staticmethod
@@ -305,18 +295,17 @@ class LLMEngine:
                 return True
         return False
 
-    def _finish(self, req: EngineRequest, reason: str, new_ids: list[int] | None = None) -> RequestOutput:
+    def _finish(self, req: EngineRequest, reason: str, new_ids: list[int]) -> RequestOutput:
         del self.requests[req.request_id]
-        return self._output(req, new_ids or [], len(req.text), reason)
+        return self._output(req, new_ids, len(req.text), reason)
 
     def _output(self, req: EngineRequest, new_ids: list[int], text_end: int, reason: str | None) -> RequestOutput:
         new_text = req.text[req.num_text_sent:text_end]
         req.num_text_sent = max(req.num_text_sent, text_end)
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=list(new_ids),
-            token_ids=req.completion_token_ids[: req.num_output_tokens], new_text=new_text,
-            text=req.text[: req.num_text_sent], finished=reason is not None, finish_reason=reason,
-            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_prompt_tokens)
+            request_id=req.request_id, new_token_ids=list(new_ids), completion_token_ids=req.completion_token_ids,
+            new_text=new_text, text=req.text[: req.num_text_sent], finished=reason is not None,
+            finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens)
 
     # ------------------------------------------------------------------ observation
     def get_stats(self) -> dict:
@@ -331,6 +320,8 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "num_preemptions_total": s["num_preemptions"],
+            "spec_decode_num_draft_tokens": s["num_draft_tokens"],
+            "spec_decode_num_accepted_tokens": s["num_accepted_tokens"],
         }
 
     def shutdown(self) -> None:

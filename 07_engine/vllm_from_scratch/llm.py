@@ -20,7 +20,10 @@ class LLM:
         max_model_len: longest prompt + output; longer prompts are refused.
         kvcache_block_size / num_kvcache_blocks: paging; ``None`` blocks = size from memory.
         enable_prefix_caching / enable_chunked_prefill: chapters 03 and 06.
+        long_prefill_token_threshold: most tokens of one prompt per step (chapter 06).
+        scheduling_policy: "fcfs" or "priority" (chapter 04; see ``generate``'s ``priority``).
         dtype: None (the checkpoint's), "float32", "bfloat16" or "float16".
+        attention_backend: "auto" (by device), "torch", "cpp", "triton" or "flash" (chapter 02).
         speculative_config: ``{"method": "ngram", "num_speculative_tokens": k}`` or
             ``{"method": "draft_model", "model": dir, "num_speculative_tokens": k}`` (chapter 05).
 
@@ -36,10 +39,13 @@ class LLM:
         self.tokenizer = self.llm_engine.tokenizer
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[dict]:
         """Generate for every prompt (a string or a list of token ids, or a list of those).
 
-        Returns ``[{"text", "token_ids"}]`` in input order. Every prompt is validated before
+        ``priority`` gives each prompt its priority (lower first) under
+        ``scheduling_policy="priority"``, as in vLLM. Returns ``[{"text", "token_ids",
+        "num_cached_tokens"}]`` in input order: the completion's text and token ids, and how many
+        prompt tokens were not computed (prefix-cache hits). Every prompt is validated before
         any is scheduled: one bad prompt raises ``ValueError`` and leaves the engine idle.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -48,8 +54,12 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
+        if priority is None:
+            priority = [0] * len(prompts)
+        if not isinstance(priority, list) or len(priority) != len(prompts):
+            raise ValueError(f"priority must be a list with one int per prompt ({len(prompts)})")
         engine = self.llm_engine
-        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        requests = [engine.make_request(p, sp, priority=pr) for p, sp, pr in zip(prompts, params, priority)]
         order = {r.request_id: i for i, r in enumerate(requests)}
         for req in requests:
             engine.add_request(req)
@@ -58,7 +68,8 @@ class LLM:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
-                        results[order[out.request_id]] = {"text": out.text, "token_ids": out.token_ids}
+                        results[order[out.request_id]] = {"text": out.text, "token_ids": out.completion_token_ids,
+                                                          "num_cached_tokens": out.num_cached_tokens}
                         bar.update(1)
         return results
 

@@ -1,45 +1,36 @@
-"""Run the model on one scheduled batch: inputs in, one (or k+1) sampled token per request out.
+"""Run the model on one scheduled step: a :class:`scheduler.SchedulerOutput` in, sampled tokens out.
 
-A scheduler step hands over requests and how many tokens each gets. For request ``r`` with
-``n`` scheduled tokens, those are ``r.token_ids[r.num_computed_tokens : +n]`` (followed by its
-speculative drafts when it is verifying them); they occupy positions
-``num_computed_tokens .. num_computed_tokens + n - 1``. A whole prompt, a chunk of one, a
-single decode token and ``1 + k`` draft-verification tokens are the same thing here, so one
-forward serves any mix of them (vLLM V1's design, chapter 06).
+The runner reads nothing but the scheduler's output. Chapter 06 turns it into the batch:
+:meth:`chunked_prefill.SchedulerInfo.from_scheduler_output` describes each request's slice
+(its tokens, its first position, its block table, whether and how many rows it samples), and
+:func:`chunked_prefill.build_batch_inputs` flattens that into the tensors of one forward
+(``input_ids``, ``positions``, ``slot_mapping``, ``cu_seqlens_q``, ``seq_lens_k``,
+``block_tables``, ``logits_indices``). A whole prompt, a chunk of one, a single decode token and
+``1 + k`` draft-verification tokens are the same thing there, so one forward serves any mix.
 
-Everything per token is built with tensor ops (``repeat_interleave``, chapter 01's
-``build_slot_mapping``); Python loops run once per *request*.
-
-Sampling rows: a request produces a token only when its scheduled tokens reach the end of its
-known tokens (a mid-prompt chunk does not), so logits are computed for those rows alone — the
-LM head over 49k vocabulary entries is not paid for every prompt token.
+Logits are computed for the sampling rows alone (the LM head over 49k vocabulary entries is not
+paid for every prompt token). A step without drafts samples one token per sampling request;
+a step with drafts verifies them with chapter 05's rejection sampler, which keeps the output
+distribution exactly the target's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-from kv_cache import allocate_kv_cache, build_slot_mapping, bytes_per_block, num_blocks_for_budget
+from chunked_prefill import BatchInputs, SchedulerInfo, build_batch_inputs
+from kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
+from rejection_sampler_triton import rejection_sample_triton
+from scheduler import SchedulerOutput
+from spec_decode import num_accepted_tokens, pad_draft_token_ids, rejection_sample
+from triton_setup import HAS_TRITON
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.cuda_graph import CUDAGraphRunner
 from vllm_from_scratch.layers.attention import Attention, AttentionMetadata
 from vllm_from_scratch.layers.prepacked import prepack_model
 from vllm_from_scratch.loader import get_model
-from vllm_from_scratch.sampler import Sampler
-
-
-@dataclass
-class ModelInput:
-    """One batch, ready for ``model.forward`` and the sampler."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the hidden states that sample
-    num_sample_rows: list[int]  # per request: 0 (mid-prefill), 1, or 1 + number of drafts
+from vllm_from_scratch.sampler import Sampler, SamplingTensors
 
 
 class ModelRunner:
@@ -61,7 +52,12 @@ class ModelRunner:
                                config.tensor_parallel_size, tp_group, config=config.hf_config)
         prepack_model(self.model)  # on a CPU: weights packed once for oneDNN (layers/prepacked.py)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for attn in self.attn_layers:
+            attn.backend = config.attention_backend
         self.sampler = Sampler()
+        # The Triton kernel on a GPU; the torch version (same noise, same tokens) elsewhere.
+        self.rejection_sampler = rejection_sample_triton if self.device.type == "cuda" and HAS_TRITON \
+            else rejection_sample
         self.kv_cache = None
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.graph_runner = self.capture_cudagraph() if self.device.type == "cuda" and not config.enforce_eager else None
@@ -121,85 +117,67 @@ class ModelRunner:
     def get_num_kvcache_blocks(self) -> int:
         return self.num_kvcache_blocks
 
-    # ------------------------------------------------------------------ inputs
-    def prepare_inputs(self, requests: list, num_scheduled_tokens: list[int]) -> ModelInput:
-        """Flatten the scheduled tokens of every request into one batch (see the module doc)."""
-        starts, token_chunks, block_tables, num_sample_rows = [], [], [], []
-        for req, n in zip(requests, num_scheduled_tokens):
-            start = req.num_computed_tokens
-            known = req.num_tokens
-            chunk = req.token_ids[start:min(start + n, known)]
-            drafts = getattr(req, "spec_token_ids", None) or []
-            if start + n > known:
-                chunk = chunk + drafts[: start + n - known]
-            token_chunks.append(chunk)
-            starts.append(start)
-            block_tables.append(req.block_table)
-            num_sample_rows.append(start + n - known + 1 if start + n >= known else 0)
-        dev = self.device
-        lens = torch.tensor(num_scheduled_tokens, dtype=torch.int32)
-        starts_t = torch.tensor(starts, dtype=torch.int32)
-        cu_seqlens_q = torch.zeros(len(requests) + 1, dtype=torch.int32)
-        torch.cumsum(lens, 0, out=cu_seqlens_q[1:])
-        total = int(cu_seqlens_q[-1])
-        seq_ids = torch.repeat_interleave(torch.arange(len(requests)), lens)
-        positions = torch.arange(total) - cu_seqlens_q[:-1][seq_ids] + starts_t[seq_ids]
-        width = max(len(bt) for bt in block_tables)
-        bt_tensor = torch.tensor([bt + [0] * (width - len(bt)) for bt in block_tables], dtype=torch.int32)
-        slot_mapping = build_slot_mapping(bt_tensor, positions, self.block_size, seq_ids)
-        seq_lens_k = starts_t + lens
-        ends = cu_seqlens_q[1:].tolist()
-        logits_indices = [i for end, k in zip(ends, num_sample_rows) for i in range(end - k, end)]
-        input_ids = torch.tensor([t for chunk in token_chunks for t in chunk], dtype=torch.long)
-        md = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev, non_blocking=True),
-            cu_seqlens_q=cu_seqlens_q.to(dev, non_blocking=True),
-            seq_lens_k=seq_lens_k.to(dev, non_blocking=True),
-            block_tables=bt_tensor.to(dev, non_blocking=True),
-            max_seqlen_q=max(num_scheduled_tokens),
-            max_seqlen_k=int(seq_lens_k.max()),
-            is_decode=max(num_scheduled_tokens) == 1,
-        )
-        return ModelInput(input_ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True), md,
-                          torch.tensor(logits_indices, dtype=torch.long, device=dev), num_sample_rows)
-
     # ------------------------------------------------------------------ forward
-    @torch.inference_mode()
-    def compute_logits(self, requests: list, num_scheduled_tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """Forward the batch; float32 logits of the sampling rows, and how many rows each request owns."""
-        inp = self.prepare_inputs(requests, num_scheduled_tokens)
-        if self.graph_runner is not None and self.graph_runner.can_run(inp.input_ids, inp.attn_metadata):
-            hidden = self.graph_runner.run(inp.input_ids, inp.positions, inp.attn_metadata)
-        else:
-            hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
-        logits = self.model.compute_logits(hidden[inp.logits_indices])
-        # Under tensor parallelism only rank 0 receives the gathered logits and samples.
-        return (None if logits is None else logits.float()), inp.num_sample_rows
-
     @staticmethod
-    def sampling_tensors(requests: list, rows: list[int], vocab_size: int, device) -> dict:
-        """Per-row temperature / top-k / top-p tensors and generators (a request repeats over its rows)."""
-        params = [(r.sampling_params, getattr(r, "generator", None)) for r, k in zip(requests, rows) for _ in range(k)]
-        temps = torch.tensor([p.temperature for p, _ in params], dtype=torch.float32, device=device)
-        top_ks = top_ps = None
-        if any(p.top_k > 0 for p, _ in params):
-            top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p, _ in params], device=device)
-        if any(p.top_p < 1.0 for p, _ in params):
-            top_ps = torch.tensor([p.top_p for p, _ in params], dtype=torch.float32, device=device)
-        gens = [g for _, g in params]
-        return dict(temperatures=temps, top_ks=top_ks, top_ps=top_ps, generators=gens if any(gens) else None)
+    def attention_metadata(batch: BatchInputs) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=batch.slot_mapping, cu_seqlens_q=batch.cu_seqlens_q,
+                                 seq_lens_k=batch.seq_lens_k, block_tables=batch.block_tables,
+                                 max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k,
+                                 is_decode=batch.max_seqlen_q == 1)
 
     @torch.inference_mode()
-    def execute_model(self, requests: list, num_scheduled_tokens: list[int]) -> dict[str, list[int]]:
-        """Run one step without speculative drafts: ``{request_id: [next_token]}`` for requests
-        whose scheduled tokens reached their end (mid-prompt chunks get ``[]``)."""
-        logits, rows = self.compute_logits(requests, num_scheduled_tokens)
-        out = {r.request_id: [] for r in requests}
+    def compute_logits(self, batch: BatchInputs) -> torch.Tensor | None:
+        """Forward ``batch``; float32 logits of its sampling rows (None on ranks other than 0)."""
+        md = self.attention_metadata(batch)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch.input_ids, md):
+            hidden = self.graph_runner.run(batch.input_ids, batch.positions, md)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, md)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        # Under tensor parallelism only rank 0 receives the gathered logits and samples.
+        return None if logits is None else logits.float()
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
+        """Run one scheduled step: ``{request_id: tokens}`` for every request that samples.
+
+        ``tokens`` is one sampled token, or, after ``k`` drafts, the accepted drafts followed by
+        one recovered or bonus token. Ranks other than 0 return ``{}``.
+        """
+        info = SchedulerInfo.from_scheduler_output(scheduler_output)
+        logits = self.compute_logits(build_batch_inputs(info, self.block_size, self.device))
         if logits is None or logits.shape[0] == 0:
-            return out
-        tokens = self.sampler(logits, **self.sampling_tensors(requests, rows, logits.shape[-1], logits.device)).tolist()
-        sampled = iter(tokens)
-        for r, k in zip(requests, rows):
-            if k:
-                out[r.request_id] = [next(sampled)]
-        return out
+            return {}
+        sampling = SamplingTensors.from_requests(scheduler_output.scheduled_requests, info.num_sample_rows,
+                                                 logits.shape[-1], logits.device)
+        if any(info.num_spec):
+            return self.verify_drafts(logits, sampling, info)
+        tokens = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
+                              sampling.generators).tolist()
+        return {rid: [t] for rid, t in zip(sampling.request_ids, tokens)}
+
+    def verify_drafts(self, logits: torch.Tensor, sampling: SamplingTensors,
+                      info: SchedulerInfo) -> dict[str, list[int]]:
+        """Chapter 05's rejection sampling of every sampling request's drafts, in one call.
+
+        Request ``i``'s ``k_i + 1`` logits rows become its target distributions ``[k_i + 1, V]``,
+        padded to the batch's largest ``K + 1`` (padding rows are never read); a request without
+        drafts is then a plain sample from its one distribution.
+        """
+        drafts = [info.merge_prompt[idx + last - k + 1: idx + last + 1]
+                  for idx, last, k in zip(info.chunk_idx, info.last_pos, info.num_spec) if last >= 0]
+        num_spec = torch.tensor([len(d) for d in drafts], device=logits.device)
+        K = int(num_spec.max())
+        probs = Sampler.compute_probs(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps)
+        starts = torch.cumsum(num_spec + 1, 0) - (num_spec + 1)
+        rows = starts.unsqueeze(1) + torch.minimum(torch.arange(K + 1, device=logits.device).unsqueeze(0),
+                                                   num_spec.unsqueeze(1))
+        target = probs[rows]  # [B, K + 1, V]
+        draft_ids = pad_draft_token_ids(drafts, K, device=logits.device)
+        sampler = self.rejection_sampler
+        out = sampler(draft_ids, None, target)
+        for i, gen in enumerate(sampling.request_generators):
+            if gen is not None:  # a seeded request draws from its own generator, whatever the batch
+                out[i] = sampler(draft_ids[i:i + 1], None, target[i:i + 1], generator=gen)[0]
+        accepted = num_accepted_tokens(out).tolist()
+        return {rid: row[: n + 1] for rid, row, n in zip(sampling.request_ids, out.tolist(), accepted)}

@@ -5,7 +5,7 @@ not implement (``n > 1``, ``logprobs``, ``best_of``, ``echo``, penalties, tools,
 refused with a 400 that names the field, instead of being silently ignored: a client that asks
 for three samples and gets one has a bug it cannot see.
 
-Like vLLM, the sampling knobs OpenAI lacks (``top_k``, ``ignore_eos``, ``stop_token_ids``)
+Like vLLM, the knobs OpenAI lacks (``top_k``, ``ignore_eos``, ``stop_token_ids``, ``priority``)
 travel as extra fields of the JSON body (the openai client sends them with ``extra_body=``).
 """
 
@@ -87,6 +87,7 @@ class _SamplingFields(BaseModel):
     top_k: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    priority: int = 0  # lower first, with the server's --scheduling-policy priority
 
     def check_supported(self) -> None:
         """Refuse what the engine cannot do, naming the field (400)."""

@@ -9,6 +9,9 @@ depend on what else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 
@@ -30,6 +33,39 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps:
     mask[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings of one batch's logits (a request repeats over its rows).
+
+    ``top_ks`` / ``top_ps`` are None when no row uses them; ``generators`` is None when no
+    request is seeded. ``request_ids`` and ``request_generators`` have one entry per sampling
+    request, in row order.
+    """
+
+    temperatures: torch.Tensor
+    top_ks: torch.Tensor | None
+    top_ps: torch.Tensor | None
+    generators: list[torch.Generator | None] | None
+    request_ids: list[str]
+    request_generators: list[torch.Generator | None]
+
+    @classmethod
+    def from_requests(cls, requests: Sequence, num_rows: Sequence[int], vocab_size: int,
+                      device: torch.device | str) -> "SamplingTensors":
+        """``requests[i]`` (with ``sampling_params`` and ``generator``) owns ``num_rows[i]`` rows."""
+        sampling = [(r, n) for r, n in zip(requests, num_rows) if n]
+        params = [r.sampling_params for r, n in sampling for _ in range(n)]
+        request_generators = [r.generator for r, _ in sampling]
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        top_ks = top_ps = None
+        if any(p.top_k > 0 for p in params):
+            top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+        if any(p.top_p < 1.0 for p in params):
+            top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        generators = [g for (r, n) in sampling for g in [r.generator] * n] if any(request_generators) else None
+        return cls(temps, top_ks, top_ps, generators, [r.request_id for r, _ in sampling], request_generators)
 
 
 class Sampler:

@@ -122,12 +122,13 @@ class OpenAIServing:
 
     # ---- engine requests --------------------------------------------------------------------
 
-    async def start(self, base_id: str, prompts: list[list[int]], params: list) -> list[RequestStream]:
+    async def start(self, base_id: str, prompts: list[list[int]], params: list,
+                    priority: int = 0) -> list[RequestStream]:
         """Add every prompt to the engine; on any refusal, abort the ones already added."""
         streams: list[RequestStream] = []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
-                streams.append(await self.llm.add_request(f"{base_id}-{i}", ids, p))
+                streams.append(await self.llm.add_request(f"{base_id}-{i}", ids, p, priority))
         except BaseException as exc:
             for s in streams:
                 s.abort()
@@ -147,7 +148,7 @@ class OpenAIServing:
         max_tokens = [self.check_length(len(ids), body.max_tokens, "prompt") for ids in prompts]
         params = [self.sampling_params(body, m) for m in max_tokens]
         request_id = random_id("cmpl")
-        streams = await self.start(request_id, prompts, params)
+        streams = await self.start(request_id, prompts, params, body.priority)
         choices = [_Choice(prompt_tokens=len(ids)) for ids in prompts]
         header = {"id": request_id, "object": "text_completion", "created": now(),
                   "model": self.served_model_name}
@@ -182,7 +183,7 @@ class OpenAIServing:
         max_tokens = self.check_length(len(ids), body.requested_max_tokens, "messages")
         params = self.sampling_params(body, max_tokens)
         request_id = random_id("chatcmpl")
-        streams = await self.start(request_id, [ids], [params])
+        streams = await self.start(request_id, [ids], [params], body.priority)
         choices = [_Choice(prompt_tokens=len(ids))]
         header = {"id": request_id, "object": "chat.completion", "created": now(),
                   "model": self.served_model_name}
@@ -401,7 +402,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = ("device", "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
              "kvcache_block_size", "num_kvcache_blocks", "enable_prefix_caching",
              "enable_chunked_prefill", "tensor_parallel_size", "enforce_eager",
-             "gpu_memory_utilization", "cpu_kvcache_space_gib")
+             "gpu_memory_utilization", "cpu_kvcache_space_gib", "scheduling_policy")
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
@@ -428,6 +429,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="KV blocks to allocate (default: sized from memory)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    engine.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"],
+                        help="'priority' serves lower `priority` values of the request body first")
     engine.add_argument("--tensor-parallel-size", type=int, default=None)
     engine.add_argument("--enforce-eager", action="store_true", default=None)
     engine.add_argument("--gpu-memory-utilization", type=float, default=None)

@@ -1,116 +1,132 @@
-"""Speculative decoding inside the engine, from chapter 05's parts.
+"""Speculative decoding inside the engine: chapter 05's proposers, fed by the running batch.
 
-Before each ``schedule()`` every decoding request gets up to ``k`` draft tokens in
-``request.spec_token_ids`` (chapter 05's ``NgramProposer``, or a small draft model through
-``draft_generate``). The scheduler (chapter 04) gives the request ``1 + drafts`` tokens; the
-model runner computes the target's logits at all those positions in the same forward as the
-rest of the batch; :func:`spec_decode.rejection_sample` keeps the drafts the target agrees with
-and adds one recovered or bonus token. Every request of the step goes through the same call
-(one with no drafts is a plain sample), so the output follows the target distribution exactly,
-and greedy output is unchanged.
+Before each ``schedule()``, :class:`DraftProposer` gives every decoding request up to ``k`` draft
+tokens in ``request.spec_token_ids``, from chapter 05's :class:`NgramProposer` or
+:class:`DraftModelProposer`, used as they are. The scheduler (chapter 04) gives the request
+``1 + drafts`` tokens, the model runner scores them in the same forward as the rest of the batch
+and verifies them with chapter 05's rejection sampler (``ModelRunner.verify_drafts``). Drafts are
+greedy, so their distribution q is one-hot and the output follows the target exactly.
 
-Drafts are deterministic functions of the context here (n-gram lookup, or the draft model at
-temperature 0), so their distribution ``q`` is one-hot and ``draft_probs=None``.
+A draft model runs on the engine's own machinery, batched: :class:`PagedDraftModel` is the
+``BatchedLogitsModel`` that ``DraftModelProposer`` asks for, made of a second
+:class:`ModelRunner` (the draft checkpoint, loaded through the same model registry), chapter
+01's ``BlockManager`` and ``Sequence`` for its own paged KV cache, and chapter 06's batch
+builder. Each draft position is one forward over every decoding request.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable, Sequence
+
 import torch
 
-from proposers import HFCausalLM, NgramProposer
-from spec_decode import PLACEHOLDER_TOKEN_ID, draft_generate, rejection_sample
-from vllm_from_scratch.config import EngineConfig
+from block_manager import BlockManager, cdiv
+from chunked_prefill import SchedulerInfo, build_batch_inputs
+from proposers import DraftModelProposer, NgramProposer, common_prefix_len
+from scheduler import Request
+from sequence import Sequence as PagedSequence
+from vllm_from_scratch.config import EngineConfig, SpeculativeConfig
 from vllm_from_scratch.model_runner import ModelRunner
-from vllm_from_scratch.sampler import Sampler
 
-METHODS = ("ngram", "draft_model")
+class PagedDraftModel:
+    """A draft model on its own paged KV cache, answering many contexts with one forward.
 
+    Each key (a request id) owns a chapter 01 :class:`Sequence` holding the tokens the draft has
+    K/V for. A call rolls each sequence back to what it shares with the new context (drafts the
+    target rejected), feeds the rest, and returns the last position's logits of every row.
+    Keys of requests that ended are :meth:`release`-d; when blocks run out, the sequences of
+    requests not in the call are dropped first (they recompute their K/V when they come back).
 
-class SpecDecoder:
-    """Proposes drafts for running requests and verifies them after the forward.
-
-    ``speculative_config`` keys: ``method`` ("ngram" or "draft_model"),
-    ``num_speculative_tokens`` (k >= 1), ``model`` (draft checkpoint directory, draft_model only),
-    ``prompt_lookup_min`` / ``prompt_lookup_max`` (n-gram sizes, ngram only).
+    Args:
+        runner: a :class:`ModelRunner` of the draft checkpoint (its KV cache is this model's).
     """
 
-    def __init__(self, config: EngineConfig):
-        sc = dict(config.speculative_config)
-        method = sc.pop("method", None)
-        if method not in METHODS:
-            raise ValueError(f"speculative_config['method'] must be one of {METHODS}, got {method!r}")
-        self.k = sc.pop("num_speculative_tokens", None)
-        if not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"speculative_config['num_speculative_tokens'] must be an int >= 1, got {self.k!r}")
-        self.method = method
-        if method == "ngram":
-            self.proposer = NgramProposer(sc.pop("prompt_lookup_min", 1), sc.pop("prompt_lookup_max", 4))
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.block_size = runner.block_size
+        self.vocab_size = runner.config.vocab_size
+        self.block_manager = BlockManager(runner.num_kvcache_blocks, self.block_size)
+        self.sequences: dict[Hashable, PagedSequence] = {}
+
+    def get_logits_batch(self, token_ids_list: Sequence[Sequence[int]],
+                         keys: Sequence[Hashable]) -> torch.Tensor:
+        seqs = [self._take(key, ids, batch_keys=keys) for ids, key in zip(token_ids_list, keys)]
+        info = SchedulerInfo.from_sequences(seqs, [s.num_tokens - s.num_computed_tokens for s in seqs])
+        logits = self.runner.compute_logits(build_batch_inputs(info, self.block_size, self.runner.device))
+        for seq in seqs:
+            seq.num_computed_tokens = seq.num_tokens
+        return logits
+
+    def release(self, keys: Iterable[Hashable]) -> None:
+        for key in keys:
+            seq = self.sequences.pop(key, None)
+            if seq is not None:
+                self.block_manager.free(seq)
+
+    def _take(self, key: Hashable, ids: Sequence[int], batch_keys: Sequence[Hashable]) -> PagedSequence:
+        """The key's sequence, rolled back to what it shares with ``ids`` (its
+        ``num_computed_tokens``), extended to ``ids``, with slots for the new tokens."""
+        seq = self.sequences.get(key)
+        if seq is None:
+            seq = self.sequences[key] = PagedSequence(ids, self.block_size)
+        # The last token is always fed: its logits are the answer.
+        start = min(common_prefix_len(seq.token_ids[:seq.num_computed_tokens], ids), len(ids) - 1)
+        del seq.token_ids[start:]
+        seq.token_ids.extend(ids[start:])
+        seq.num_computed_tokens = start
+        while not self.block_manager.allocate_slots(seq, seq.num_tokens - start):
+            idle = [k for k in self.sequences if k not in batch_keys]
+            if not idle:
+                raise RuntimeError("the draft model's KV cache cannot hold this batch")
+            self.release(idle[:1])
+        return seq
+
+
+class DraftProposer:
+    """Sets ``spec_token_ids`` on the requests about to decode, from chapter 05's proposers.
+
+    Args:
+        config: the engine's settings; ``config.speculative_config`` says which proposer.
+        num_target_blocks: the target's KV blocks (a draft model's cache gets as many, plus
+            room for every request's drafts).
+    """
+
+    def __init__(self, config: EngineConfig, num_target_blocks: int):
+        spec = config.speculative
+        self.k = spec.num_speculative_tokens
+        self.method = spec.method
+        if spec.method == "ngram":
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:
-            model = sc.pop("model", None)
-            if model is None:
-                raise ValueError("speculative_config['model'] (a draft checkpoint directory) is required for draft_model")
-            self.draft = HFCausalLM(str(model), "cpu" if config.torch_device.type == "cpu" else config.torch_device)
-            if self.draft.vocab_size != config.vocab_size:
-                raise ValueError(f"the draft model's vocab_size ({self.draft.vocab_size}) differs from the target's "
-                                 f"({config.vocab_size})")
-            self._slots: dict[str, int] = {}
-            self._free_slots: list[int] = []
-        if sc:
-            raise ValueError(f"speculative_config has unknown keys {sorted(sc)}")
-        self.vocab_size = config.vocab_size
-        self.num_drafts = 0
-        self.num_accepted = 0
+            self.proposer = DraftModelProposer(PagedDraftModel(self._draft_runner(config, spec, num_target_blocks)))
 
-    # ------------------------------------------------------------------ drafting
-    def _slot(self, request_id: str) -> int:
-        """A draft-model KV cache slot per live request, reused after the request ends."""
-        if request_id not in self._slots:
-            self._slots[request_id] = self._free_slots.pop() if self._free_slots else len(self._slots)
-        return self._slots[request_id]
+    def _draft_runner(self, config: EngineConfig, spec: SpeculativeConfig, num_target_blocks: int) -> ModelRunner:
+        per_request = cdiv(self.k + 1, config.kvcache_block_size) + 1
+        draft_config = EngineConfig(
+            spec.model, device=str(config.torch_device), dtype=str(config.torch_dtype).removeprefix("torch."),
+            kvcache_block_size=config.kvcache_block_size, max_num_seqs=config.max_num_seqs,
+            num_kvcache_blocks=num_target_blocks + config.max_num_seqs * per_request,
+            max_model_len=config.max_model_len, enable_prefix_caching=False, enforce_eager=True,
+            attention_backend=config.attention_backend)
+        if draft_config.vocab_size != config.vocab_size:
+            raise ValueError(f"the draft model's vocab_size ({draft_config.vocab_size}) differs from the "
+                             f"target's ({config.vocab_size})")
+        return ModelRunner(draft_config)
 
-    def _release_finished(self, live_ids: set[str]) -> None:
-        for rid in [r for r in self._slots if r not in live_ids]:
-            self._free_slots.append(self._slots.pop(rid))
-
-    def propose(self, running: list) -> None:
-        """Set ``spec_token_ids`` on every request that decodes next step."""
-        decoding = [r for r in running
-                    if r.num_computed_tokens == r.num_tokens - 1 and r.num_computed_tokens >= r.num_prompt_tokens]
-        if self.method == "ngram":
-            for req, drafts in zip(decoding, self.proposer.propose([r.token_ids for r in decoding], self.k)):
-                req.spec_token_ids = drafts
+    def propose(self, running: Sequence[Request]) -> None:
+        """Drafts for every running request whose next step is a decode."""
+        decoding = [r for r in running if r.is_decoding]
+        if not decoding:
             return
-        self._release_finished({r.request_id for r in running})
-        for req in decoding:
-            req.spec_token_ids, _ = draft_generate(self.draft.slot(self._slot(req.request_id)), req.token_ids, self.k)
+        contexts = [r.token_ids for r in decoding]
+        if self.method == "ngram":
+            drafts = self.proposer.propose(contexts, self.k)
+        else:
+            drafts, _ = self.proposer.propose(contexts, self.k, keys=[r.request_id for r in decoding])
+        for req, row in zip(decoding, drafts):
+            req.spec_token_ids = row
 
-    # ------------------------------------------------------------------ verification
-    def execute(self, executor, requests: list, num_scheduled_tokens: list[int]) -> dict[str, list[int]]:
-        """Forward the batch, then accept/reject every sampling request's drafts in one call."""
-        logits, rows = executor.call("compute_logits", requests, num_scheduled_tokens)
-        out = {r.request_id: [] for r in requests}
-        if logits is None or logits.shape[0] == 0:
-            return out
-        sampling = [(r, k) for r, k in zip(requests, rows) if k]
-        params = ModelRunner.sampling_tensors(requests, rows, self.vocab_size, logits.device)
-        probs = Sampler.compute_probs(logits, params["temperatures"], params["top_ks"], params["top_ps"])
-        K = max(k for _, k in sampling) - 1
-        B, V = len(sampling), probs.shape[-1]
-        draft_ids = torch.full((B, K), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
-        target = torch.empty(B, K + 1, V, device=probs.device)
-        offset = 0
-        for i, (req, k) in enumerate(sampling):
-            draft_ids[i, : k - 1] = torch.tensor(req.spec_token_ids[: k - 1], dtype=torch.long)
-            target[i, :k] = probs[offset:offset + k]
-            target[i, k:] = probs[offset + k - 1]  # padding rows: any distribution, never read
-            offset += k
-        result = rejection_sample(draft_ids.to(probs.device), None, target)
-        seeded = [i for i, (req, _) in enumerate(sampling) if req.generator is not None]
-        for i in seeded:  # a seeded request draws from its own generator, whatever the batch
-            result[i] = rejection_sample(draft_ids[i:i + 1].to(probs.device), None, target[i:i + 1],
-                                         generator=sampling[i][0].generator)[0]
-        for (req, k), tokens in zip(sampling, result.tolist()):
-            out[req.request_id] = [t for t in tokens if t != PLACEHOLDER_TOKEN_ID]
-            self.num_drafts += k - 1
-            self.num_accepted += len(out[req.request_id]) - 1
-        return out
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Forget the draft model's state of requests that ended."""
+        if self.method == "draft_model":
+            self.proposer.release(list(request_ids))

@@ -17,7 +17,8 @@ def _select_victim(self) -> Request:
     methods as ``Parent.method(self, ...)``, not ``super()``.
 
     Hint: FCFS: the most recently admitted running request (the end of self.running). Priority:
-    the least important, latest arrival: the max of (priority, arrival_time, order).
+    the least important, latest arrival: the max of (priority, arrival_time), the later admitted
+    winning a tie (scan reversed(self.running)).
 
     Checked by: pytest 04_scheduler/ --impl=student --exercise 04.1
     """
@@ -59,9 +60,10 @@ def _admit(self, req: Request, budget: int) -> int:
     Becomes ``Scheduler._admit`` (a method: ``self`` is the Scheduler). Call parent methods as
     ``Parent.method(self, ...)``, not ``super()``.
 
-    Hint: Cap self.block_manager.get_computed_blocks(req) at (num_tokens - 1) // block_size
-    blocks, ask self._num_new_tokens from the hit position, allocate_slots with the hits; on
-    success set num_computed_tokens and num_cached_tokens to the hit tokens.
+    Hint: Ask self.block_manager.get_computed_blocks(req) for the hits (already capped so the
+    last token is recomputed), ask self._num_new_tokens from the hit position, allocate_slots
+    with the hits; on success set num_computed_tokens to the hit tokens, and num_cached_tokens
+    too if this is the request's first admission (num_preemptions == 0).
 
     Checked by: pytest 04_scheduler/ --impl=student --exercise 04.4
     """

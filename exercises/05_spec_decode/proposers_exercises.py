@@ -7,9 +7,10 @@ the chapter's own; see exercises/README.md for how your function is put in place
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Hashable
+from typing import Protocol, Sequence
 import torch
-from proposers import _common_prefix_len
+from proposers import common_prefix_len
 
 
 def propose_one(self, token_ids: Sequence[int], k: int) -> list[int]:
@@ -26,7 +27,7 @@ def propose_one(self, token_ids: Sequence[int], k: int) -> list[int]:
     raise NotImplementedError("Exercise 05.4: implement NgramProposer.propose_one — see 05_spec_decode/README.md#exercises")
 
 
-def get_logits(self, token_ids: Sequence[int], num_logits: int = 1, slot: int = 0) -> torch.Tensor:
+def get_logits(self, token_ids: Sequence[int], num_logits: int = 1, slot: Hashable = 0) -> torch.Tensor:
     """``[num_logits, V]`` float32 logits predicting the token after each last position.
 
     Becomes ``HFCausalLM.get_logits`` (a method: ``self`` is the HFCausalLM). Call parent

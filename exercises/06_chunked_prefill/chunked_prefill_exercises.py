@@ -28,8 +28,8 @@ def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
 
 
 def _running_order(self) -> list[Request]:
-    # Decodes first (seed 003's order): a request that is still prefilling may be earlier in
-    # the running list, and would otherwise take the whole budget for its next chunk.
+    # Decodes first: a request that is still prefilling may be earlier in the running list,
+    # and would otherwise take the whole budget for its next chunk.
     """Decodes first: the order phase 1 visits running requests in
 
     Becomes ``ChunkedPrefillScheduler._running_order`` (a method: ``self`` is the
@@ -58,11 +58,8 @@ def from_scheduler_output(cls, out: SchedulerOutput) -> "SchedulerInfo":
     raise NotImplementedError("Exercise 06.3: implement SchedulerInfo.from_scheduler_output — see 06_chunked_prefill/README.md#exercises")
 
 
-def build_batch_inputs(info: SchedulerInfo, block_tables: list[list[int]], block_size: int,
-                       device: torch.device | str = "cpu") -> BatchInputs:
+def build_batch_inputs(info: SchedulerInfo, block_size: int, device: torch.device | str = "cpu") -> BatchInputs:
     """Flatten a :class:`SchedulerInfo` into the tensors of one varlen forward.
-
-    ``block_tables[i]`` is the block table of request ``info.ids[i]`` (``req.block_table``).
 
     Hint: cu_seqlens_q is a cumulative sum of the chunk lengths; positions run from each
     request's kv_len - chunk_len; slots come from the block tables (chapter 01's formula).

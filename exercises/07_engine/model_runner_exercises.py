@@ -7,21 +7,28 @@ the chapter's own; see exercises/README.md for how your function is put in place
 
 from __future__ import annotations
 
-from kv_cache import allocate_kv_cache, build_slot_mapping, bytes_per_block, num_blocks_for_budget
-from vllm_from_scratch.model_runner import ModelInput
+import torch
+from chunked_prefill import BatchInputs, SchedulerInfo, build_batch_inputs
+from spec_decode import num_accepted_tokens, pad_draft_token_ids, rejection_sample
+from vllm_from_scratch.sampler import Sampler, SamplingTensors
 
 
-def prepare_inputs(self, requests: list, num_scheduled_tokens: list[int]) -> ModelInput:
-    """Flatten the scheduled tokens of every request into one batch (see the module doc).
+def verify_drafts(self, logits: torch.Tensor, sampling: SamplingTensors,
+                  info: SchedulerInfo) -> dict[str, list[int]]:
+    """Chapter 05's rejection sampling of every sampling request's drafts, in one call.
 
-    Becomes ``ModelRunner.prepare_inputs`` (a method: ``self`` is the ModelRunner). Call parent
+    Request ``i``'s ``k_i + 1`` logits rows become its target distributions ``[k_i + 1, V]``,
+    padded to the batch's largest ``K + 1`` (padding rows are never read); a request without
+    drafts is then a plain sample from its one distribution.
+
+    Becomes ``ModelRunner.verify_drafts`` (a method: ``self`` is the ModelRunner). Call parent
     methods as ``Parent.method(self, ...)``, not ``super()``.
 
-    Hint: For each request, its scheduled tokens start at num_computed_tokens: token ids,
-    positions, slots (chapter 01's build_slot_mapping), cu_seqlens_q, seq_lens_k and padded
-    block tables; sample only requests whose scheduled tokens reach the end of their known
-    tokens.
+    Hint: Request i owns k_i + 1 consecutive logits rows: gather them into target [B, K+1, V]
+    (index each row's start plus min(j, k_i)), pad the drafts (info.merge_prompt at the drafts'
+    positions) with pad_draft_token_ids, call self.rejection_sampler once (again per seeded
+    request with its own generator) and keep num_accepted_tokens + 1 tokens of each row.
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.2
     """
-    raise NotImplementedError("Exercise 07.2: implement ModelRunner.prepare_inputs — see 07_engine/README.md#exercises")
+    raise NotImplementedError("Exercise 07.2: implement ModelRunner.verify_drafts — see 07_engine/README.md#exercises")
