@@ -39,9 +39,10 @@ OP_GROUPS = [
     ("linear (matmul)", ("_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul")),
     ("attention", ("paged_attention", "scaled_dot_product", "_flash_attention", "index_select")),
     ("kv write", ("store_kvcache", "index_copy")),
-    ("elementwise", ("aten::mul", "aten::add", "aten::sub", "aten::silu", "aten::rsqrt", "vector_norm",
-                     "aten::cat", "aten::copy_", "aten::to", "aten::_to_copy", "aten::square", "aten::div",
-                     "aten::neg", "aten::embedding", "aten::index", "aten::clone", "aten::contiguous")),
+    ("dtype casts", ("aten::to", "aten::_to_copy")),  # mostly the float32 matmul path's up/down casts
+    ("elementwise", ("aten::mul", "aten::add", "aten::sub", "aten::silu", "aten::rsqrt", "vector_norm", "rms_norm",
+                     "aten::roll", "aten::cat", "aten::copy_", "aten::square", "aten::div", "aten::neg",
+                     "aten::embedding", "aten::index", "aten::clone", "aten::contiguous")),
 ]
 
 
