@@ -27,7 +27,7 @@ a CPU without bf16 support in oneDNN) and the layers keep calling ``F.linear``.
 **A float32 copy where bfloat16 multiplies slowly.** Some CPUs list AVX-512 BF16 yet run oneDNN's
 bf16 GEMM slower than its float32 one: on a 2-core Intel Xeon VM (model 207, AVX-512 BF16 and
 FP16, AMX hidden by the hypervisor) a packed ``[512 x 576] @ [576 x 3072]`` runs at 83 GFLOP/s per
-core in bf16 and 150 in float32 (elsewhere bf16 wins by far: 4x on a Zen 4, more with AMX).
+core in bf16 and 150 in float32 (elsewhere bf16 wins by far: about 4x on a Zen 4, more with AMX).
 Converting bf16 to float32 is exact and both GEMMs accumulate in float32, so on such a CPU a
 bf16 weight also keeps a packed float32 copy, and a matmul of at least :data:`FLOAT32_MIN_ROWS`
 rows (prefills, large decode batches) upcasts ``x``, multiplies in float32 and rounds the result

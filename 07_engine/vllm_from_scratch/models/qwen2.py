@@ -10,6 +10,9 @@ from vllm_from_scratch.models.llama import LlamaAttention, LlamaDecoderLayer, Ll
 
 
 class Qwen2Attention(LlamaAttention):
+    """Llama's attention; Qwen2 checkpoints carry ``q_proj``/``k_proj``/``v_proj`` biases and no
+    ``o_proj`` bias, whatever the config says."""
+
     @staticmethod
     def projection_biases(config) -> tuple[bool, bool]:
         return True, False
