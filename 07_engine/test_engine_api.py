@@ -139,3 +139,50 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
     noise = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
     batched = llm.generate([[9, 9], [3, 4, 5], [7]], [noise, params, noise], use_tqdm=False)[1]["token_ids"]
     assert alone == batched
+
+
+def test_priority_scheduling_from_generate(tiny_llama_dir):
+    """One request runs at a time: under "priority" the lower values finish first, whatever the order
+    they were given in; under "fcfs" the order given wins."""
+    prompts = make_prompts(13, (6, 7, 8, 9))
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    finish_order = {}
+    for policy in ("fcfs", "priority"):
+        engine = LLMEngine(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32",
+                           max_num_seqs=1, scheduling_policy=policy)
+        for i, (p, prio) in enumerate(zip(prompts, [3, 1, 2, 0])):
+            engine.add_request(p, params, request_id=str(i), priority=prio)
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o.request_id for o in engine.step() if o.finished]
+        finish_order[policy] = done
+    assert finish_order == {"fcfs": ["0", "1", "2", "3"], "priority": ["3", "1", "2", "0"]}
+    llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32",
+              scheduling_policy="priority")
+    outs = llm.generate(prompts[:2], GREEDY, use_tqdm=False, priority=[1, 0])
+    assert [o["token_ids"] for o in outs] == [hf_greedy(tiny_llama_dir, tuple(p)) for p in prompts[:2]]
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(prompts[:2], GREEDY, use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False, priority=["high"])
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(scheduling_policy="lifo"), "scheduling_policy"),
+    (dict(attention_backend="cuda"), "attention_backend"),
+    (dict(long_prefill_token_threshold=0), "long_prefill_token_threshold"),
+])
+def test_bad_scheduling_settings(tiny_llama_dir, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        LLMEngine(tiny_llama_dir, **kwargs)
+
+
+def test_chapter_knobs_reach_the_scheduler_and_the_attention_layers(tiny_llama_dir):
+    engine = LLMEngine(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32",
+                       long_prefill_token_threshold=5, attention_backend="torch", scheduling_policy="priority")
+    assert engine.scheduler.long_prefill_token_threshold == 5 and engine.scheduler.policy == "priority"
+    assert {a.backend for a in engine.executor.runner.attn_layers} == {"torch"}
+    engine.add_request(make_prompts(14, (12,))[0], GREEDY, request_id="chunked")
+    engine.step()
+    assert engine.requests["chunked"].num_computed_tokens == 5

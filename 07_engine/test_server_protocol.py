@@ -34,6 +34,7 @@ class ScriptedEngine:
         self.tokenizer = tokenizer
         self.requests = {}
         self.aborted = []
+        self.priorities = {}
         self.stats = dict(prompt_tokens_total=0, generation_tokens_total=0, prefix_cache_queries=0,
                           prefix_cache_hits=0, num_preemptions_total=0)
         self.step_delay = 0.0
@@ -46,6 +47,7 @@ class ScriptedEngine:
         if len(prompt) > self.max_model_len:
             raise ValueError("prompt is longer than max_model_len")
         self.requests[request_id] = dict(prompt=list(prompt), params=params, out=[])
+        self.priorities[request_id] = priority
         self.stats["prompt_tokens_total"] += len(prompt)
         return request_id
 
@@ -130,6 +132,14 @@ def test_completion_returns_text_and_usage(client, tokenizer):
     assert body["usage"]["prompt_tokens"] == 3
     assert body["usage"]["completion_tokens"] == 5
     assert body["usage"]["total_tokens"] == 8
+
+
+def test_priority_in_the_body_reaches_the_engine(client, engine):
+    for path, body in (("/v1/completions", {"prompt": [10, 11]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        resp = client.post(path, json={"model": MODEL, "max_tokens": 2, "priority": -3, **body})
+        assert resp.status_code == 200, resp.text
+    assert list(engine.priorities.values()) == [-3, -3]
 
 
 def test_stream_chunks_concatenate_and_end_with_done(client):
