@@ -7,15 +7,16 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import uvicorn
 from test_server_protocol import ScriptedEngine
 from transformers import AutoTokenizer
 
-from vllm_from_scratch import load_generator as lg
+import load_generator as lg
 from vllm_from_scratch.default_model import default_model_dir
-from vllm_from_scratch.serve import build_app
+from vllm_from_scratch.api_server import build_app
 
 
 def test_summary_follows_vllm_bench_definitions():
@@ -124,6 +125,6 @@ def test_max_duration_bounds_the_run(scripted_server):
 
 
 def test_help_runs():
-    out = subprocess.run([sys.executable, "-m", "vllm_from_scratch.load_generator", "--help"],
+    out = subprocess.run([sys.executable, str(Path(lg.__file__)), "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--request-rate" in out.stdout

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -218,7 +219,7 @@ def test_metrics_after_traffic(client, base_url):
 
 
 def test_load_generator_against_the_server(base_url):
-    out = subprocess.run([sys.executable, "-m", "vllm_from_scratch.load_generator", "--base-url", base_url,
+    out = subprocess.run([sys.executable, str(Path(__file__).parent / "load_generator.py"), "--base-url", base_url,
                           "--num-requests", "6", "--request-rate", "inf", "--input-len", "16:32",
                           "--output-len", "4", "--quiet"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

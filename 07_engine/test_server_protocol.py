@@ -17,8 +17,9 @@ from transformers import AutoTokenizer
 
 from vllm_from_scratch.async_llm import AsyncLLM
 from vllm_from_scratch.default_model import default_model_dir
-from vllm_from_scratch.engine import RequestOutput
-from vllm_from_scratch.serve import _stream_events, build_app
+from vllm_from_scratch.api_server import build_app
+from vllm_from_scratch.engine import RequestOutput, encode_prompt, resolve_max_tokens
+from vllm_from_scratch.streaming import stream_events
 
 MODEL = "scripted"
 CRASH_TOKEN = 7  # a prompt containing this token id makes step() raise
@@ -39,14 +40,11 @@ class ScriptedEngine:
                           prefix_cache_hits=0, num_preemptions_total=0)
         self.step_delay = 0.0
 
-    def add_request(self, prompt, params, request_id=None, priority=0):
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            raise ValueError("prompt contains token ids outside the vocabulary")
-        if len(prompt) > self.max_model_len:
-            raise ValueError("prompt is longer than max_model_len")
-        self.requests[request_id] = dict(prompt=list(prompt), params=params, out=[])
+    def add_request(self, prompt, params, request_id=None, priority=0, fit_max_tokens=True):
+        # The engine's own checks, so the server's error mapping is tested against the real rules.
+        prompt = encode_prompt(None, prompt, self.vocab_size, self.max_model_len)
+        max_tokens = resolve_max_tokens(params.max_tokens, len(prompt), self.max_model_len, fit_max_tokens)
+        self.requests[request_id] = dict(prompt=prompt, params=params, max_tokens=max_tokens, out=[])
         self.priorities[request_id] = priority
         self.stats["prompt_tokens_total"] += len(prompt)
         return request_id
@@ -68,7 +66,7 @@ class ScriptedEngine:
             r["out"].append(tok)
             self.stats["generation_tokens_total"] += 1
             piece = self.tokenizer.decode([tok])
-            done = len(r["out"]) >= r["params"].max_tokens
+            done = len(r["out"]) >= r["max_tokens"]
             if done:
                 del self.requests[rid]
             outputs.append(RequestOutput(rid, [tok], list(r["out"]), piece,
@@ -281,11 +279,11 @@ def test_cancelled_stream_aborts_its_engine_request(engine):
         llm = AsyncLLM(engine)
         llm.start()
         try:
-            stream = await llm.add_request("r1", [10, 11], _params(max_tokens=1000))
+            stream = await llm.add_request("r1", [10, 11], _params(max_tokens=60))
             received = []
 
             async def consume():
-                async for event in _stream_events([stream], [_choice()], lambda i, t, f: t):
+                async for event in stream_events([stream], lambda i, out: None, lambda i, t, f: t):
                     received.append(event)
 
             task = asyncio.ensure_future(consume())
@@ -341,7 +339,3 @@ def _params(max_tokens):
     from vllm_from_scratch.sampling_params import SamplingParams
     return SamplingParams(max_tokens=max_tokens)
 
-
-def _choice():
-    from vllm_from_scratch.serve import _Choice
-    return _Choice(prompt_tokens=2)

@@ -175,8 +175,9 @@ class AsyncLLM:
 
     def _add(self, command: _Add) -> None:
         try:
+            # The OpenAI API refuses a max_tokens that cannot fit, where offline use cuts it.
             self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
-                                    priority=command.priority)
+                                    priority=command.priority, fit_max_tokens=False)
         except Exception as exc:  # noqa: BLE001 - handed to the caller, the loop lives on
             _resolve(command.stream.loop, command.accepted, exc)
             return

@@ -1,14 +1,18 @@
-"""The engine's settings, validated once, shared by the engine, the model runner and workers."""
+"""The engine's settings: one list, validated once, shared by the engine, the model runner and
+workers, and the source of every command-line flag (:meth:`EngineConfig.add_cli_args`)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 import torch
 
 from attention_backends import BACKENDS
-from vllm_from_scratch.loader import load_config, resolve_dtype
+from vllm_from_scratch.errors import ParameterError
+from vllm_from_scratch.loader import DTYPES, load_config, resolve_dtype
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPEC_METHODS = ("ngram", "draft_model")
@@ -31,21 +35,86 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, config: dict) -> "SpeculativeConfig":
-        """Parse a user's dict; ``ValueError`` naming the key that is wrong."""
+        """Parse a user's dict; :class:`ParameterError` naming the key that is wrong."""
         if not isinstance(config, dict):
-            raise ValueError(f"speculative_config must be a dict or None, got {config!r}")
+            raise ParameterError("speculative_config", f"must be a dict or None, got {config!r}")
         unknown = sorted(set(config) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}")
+            raise ParameterError("speculative_config", f"has unknown keys {unknown}")
         if config.get("method") not in SPEC_METHODS:
-            raise ValueError(f"speculative_config['method'] must be one of {SPEC_METHODS}, "
-                             f"got {config.get('method')!r}")
+            raise ParameterError("speculative_config['method']", f"must be one of {SPEC_METHODS}, "
+                                 f"got {config.get('method')!r}")
         k = config.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"speculative_config['num_speculative_tokens'] must be an int >= 1, got {k!r}")
+            raise ParameterError("speculative_config['num_speculative_tokens']", f"must be an int >= 1, got {k!r}")
         if config["method"] == "draft_model" and config.get("model") is None:
-            raise ValueError("speculative_config['model'] (a draft checkpoint directory) is required "
-                             "for draft_model")
+            raise ParameterError("speculative_config['model']", "(a draft checkpoint directory) is required "
+                                 "for draft_model")
+        return cls(**{**config, "model": None if config.get("model") is None else str(config["model"])})
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` is CUDA when present, else CPU; anything else must name a usable device."""
+    if not isinstance(device, (str, torch.device)):
+        raise ParameterError("device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ParameterError("device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ParameterError("device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ParameterError("device", f"{device!r} asks for CUDA, which is not available")
+    return dev
+
+
+def _positive_int(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ParameterError(name, f"must be a positive int, got {value!r}")
+
+
+def setting(help: str, default=None, **cli) -> dataclasses.Field:
+    """An :class:`EngineConfig` field: its default, its ``--help`` text, and how the command line
+    spells it (``flag=``, ``choices=``) when that differs from the field's name."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``speculative_config``, checked once, with vLLM's keys.
+
+    ``method`` ("ngram" or "draft_model"), ``num_speculative_tokens`` (k >= 1), ``model`` (the
+    draft checkpoint directory, draft_model only; it loads through the same model registry as
+    the target), ``prompt_lookup_min`` / ``prompt_lookup_max`` (n-gram sizes, ngram only).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "SpeculativeConfig":
+        """Parse a user's dict; :class:`ParameterError` naming the key that is wrong."""
+        if not isinstance(config, dict):
+            raise ParameterError("speculative_config", f"must be a dict or None, got {config!r}")
+        unknown = sorted(set(config) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ParameterError("speculative_config", f"has unknown keys {unknown}")
+        if config.get("method") not in SPEC_METHODS:
+            raise ParameterError("speculative_config['method']", f"must be one of {SPEC_METHODS}, "
+                                 f"got {config.get('method')!r}")
+        k = config.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ParameterError("speculative_config['num_speculative_tokens']", f"must be an int >= 1, got {k!r}")
+        if config["method"] == "draft_model" and config.get("model") is None:
+            raise ParameterError("speculative_config['model']", "(a draft checkpoint directory) is required "
+                                 "for draft_model")
         return cls(**{**config, "model": None if config.get("model") is None else str(config["model"])})
 
 
@@ -77,62 +146,70 @@ def _positive_int(name: str, value, allow_none: bool = False) -> None:
 class EngineConfig:
     """Everything ``LLM(...)``/``LLMEngine(...)`` accept, with defaults filled in.
 
-    ``max_model_len`` defaults to ``min(max_position_embeddings, 4096)``; ``max_num_batched_tokens``
-    to 2048 with chunked prefill (vLLM's online default) and to ``max(max_model_len, 8192)``
-    without it (a whole prompt must fit in one step). ``kvcache_block_size`` defaults to 16, and
-    to 256 on CUDA when flash-attn is used (its paged KV wants multiples of 256).
+    Each field's ``help`` says what it does and what ``None`` means; the server's flags are
+    generated from this list (:meth:`add_cli_args`), so a setting exists in one place.
     """
 
     model_dir: str
-    device: str = "auto"
-    tensor_parallel_size: int = 1
-    enforce_eager: bool = False
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    kvcache_block_size: int | None = None
-    num_kvcache_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int | None = None
-    scheduling_policy: str = "fcfs"
-    dtype: str | None = None
-    attention_backend: str = "auto"
-    speculative_config: dict | None = None
-    gpu_memory_utilization: float = 0.9
-    cpu_kvcache_space_gib: float = 2.0
-    hf_config: object = field(default=None, repr=False)
-    torch_dtype: torch.dtype = field(default=None, repr=False)
-    torch_device: torch.device = field(default=None, repr=False)
-    speculative: SpeculativeConfig | None = field(default=None, repr=False)
+    device: str = setting("'auto' (CUDA when present, else CPU), 'cpu' or 'cuda[:N]'", "auto")
+    dtype: str | None = setting("'auto' (or None): bfloat16 on a GPU, and on a CPU with bfloat16 in hardware "
+                                "(AVX-512 BF16, AMX), else float32; or a dtype name", "auto",
+                                choices=("auto", *DTYPES))
+    tensor_parallel_size: int = setting("ranks to split the model over (gloo on CPU, NCCL on GPU)", 1)
+    enforce_eager: bool = setting("never capture CUDA graphs", False)
+    max_num_seqs: int = setting("most requests in one batch (chapter 04)", 256)
+    max_num_batched_tokens: int | None = setting(
+        "token budget of one step; None: 2048 with chunked prefill, else max(max_model_len, 8192)")
+    max_model_len: int | None = setting("longest prompt + output; None: min(max_position_embeddings, 4096)")
+    kvcache_block_size: int | None = setting(
+        "tokens per KV block (chapter 01); None: 16, or 256 with flash-attn", flag="--block-size")
+    num_kvcache_blocks: int | None = setting("KV blocks to allocate; None: sized from memory")
+    gpu_memory_utilization: float = setting("share of the GPU's memory the engine may use", 0.9)
+    cpu_kvcache_space_gib: float = setting("KV cache size on a CPU when num_kvcache_blocks is None", 2.0)
+    enable_prefix_caching: bool = setting("share KV blocks of equal prefixes (chapter 03)", True)
+    enable_chunked_prefill: bool = setting("split long prompts into chunks beside decodes (chapter 06)", True)
+    long_prefill_token_threshold: int | None = setting("most tokens of one prompt per step (chapter 06); "
+                                                       "None: only the budget limits it")
+    scheduling_policy: str = setting("'fcfs', or 'priority': lower `priority` values first (chapter 04)",
+                                     "fcfs", choices=SCHEDULING_POLICIES)
+    attention_backend: str = setting("paged attention implementation (chapter 02); 'auto' picks by device",
+                                     "auto", choices=BACKENDS)
+    speculative_config: dict | None = setting(
+        'speculative decoding (chapter 05), e.g. {"method": "ngram", "num_speculative_tokens": 4}')
+    hf_config: object = field(default=None, init=False, repr=False)
+    torch_dtype: torch.dtype = field(default=None, init=False, repr=False)
+    torch_device: torch.device = field(default=None, init=False, repr=False)
+    speculative: SpeculativeConfig | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         self.hf_config = load_config(self.model_dir)
-        self.torch_dtype = resolve_dtype(self.dtype, self.hf_config)
         self.torch_device = resolve_device(self.device)
+        self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
         for name in ("tensor_parallel_size", "max_num_seqs"):
             _positive_int(name, getattr(self, name))
         for name in ("max_num_batched_tokens", "max_model_len", "kvcache_block_size", "num_kvcache_blocks",
                      "long_prefill_token_threshold"):
             _positive_int(name, getattr(self, name), allow_none=True)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+            raise ParameterError("scheduling_policy", f"must be one of {SCHEDULING_POLICIES}, "
+                                 f"got {self.scheduling_policy!r}")
         if self.attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+            raise ParameterError("attention_backend", f"must be one of {BACKENDS}, got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+            raise ParameterError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.cpu_kvcache_space_gib <= 0:
-            raise ValueError(f"cpu_kvcache_space_gib must be positive, got {self.cpu_kvcache_space_gib!r}")
+            raise ParameterError("cpu_kvcache_space_gib", f"must be positive, got {self.cpu_kvcache_space_gib!r}")
         max_pos = getattr(self.hf_config, "max_position_embeddings", 4096)
         if self.max_model_len is None:
             self.max_model_len = min(max_pos, 4096)
         elif self.max_model_len > max_pos:
-            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings ({max_pos})")
+            raise ParameterError("max_model_len", f"({self.max_model_len}) exceeds the model's "
+                                 f"max_position_embeddings ({max_pos})")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(self.max_model_len, 8192)
         elif not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                             f"({self.max_model_len}) when enable_chunked_prefill is False")
+            raise ParameterError("max_num_batched_tokens", f"({self.max_num_batched_tokens}) must be >= "
+                                 f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is False")
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 256 if self._uses_flash_attn() else 16
         if self.speculative_config is not None:
@@ -150,3 +227,40 @@ class EngineConfig:
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
+
+    # ------------------------------------------------------------------ the command line
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one flag per setting, with vLLM's spellings (``--max-num-seqs``,
+        ``--enable-prefix-caching/--no-enable-prefix-caching``, ``--speculative-config JSON``)."""
+        group = parser.add_argument_group("engine settings (EngineConfig)")
+        for f in dataclasses.fields(cls):
+            if not f.init or f.name == "model_dir":
+                continue
+            kwargs = dict(dest=f.name, default=f.default, help=f.metadata["help"] + " (default: %(default)s)")
+            if "bool" in f.type:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif "dict" in f.type:
+                kwargs.update(type=_json_dict(f.name), metavar="JSON")
+            elif "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+            else:
+                kwargs["type"] = int if "int" in f.type else float if "float" in f.type else str
+            group.add_argument(f.metadata.get("flag", "--" + f.name.replace("_", "-")), **kwargs)
+
+    @classmethod
+    def cli_kwargs(cls, args: argparse.Namespace) -> dict:
+        """The settings parsed by :meth:`add_cli_args`, as keyword arguments of ``LLMEngine``."""
+        return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init and f.name != "model_dir"}
+
+
+def _json_dict(name: str):
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"{name} must be a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{name} must be a JSON object, got {text!r}")
+        return value
+    return parse

@@ -32,8 +32,9 @@ from block_manager import BlockManager
 from scheduler import Request, RequestStatus, Scheduler
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.distributed import make_executor
+from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.model_runner import ModelRunner
-from vllm_from_scratch.sampling_params import SamplingParams
+from vllm_from_scratch.sampling_params import SamplingParams, check_int
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -113,6 +114,45 @@ class EngineRequest(Request):
         return state
 
 
+def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int, max_model_len: int) -> list[int]:
+    """Token ids of ``prompt`` (text through ``tokenizer``, or ids as given), checked: not empty,
+    inside the vocabulary, shorter than ``max_model_len``. :class:`ParameterError` on ``prompt``."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ParameterError("prompt", "must be a list of token ids: this checkpoint has no tokenizer")
+        token_ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple)):
+        token_ids = list(prompt)
+    else:
+        raise ParameterError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not token_ids:
+        raise ParameterError("prompt", "must not be empty")
+    bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise ParameterError("prompt", f"holds token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(token_ids) >= max_model_len:
+        raise ParameterError("prompt", f"has {len(token_ids)} tokens, but this model's maximum context length "
+                             f"(max_model_len) is {max_model_len}", code="context_length_exceeded")
+    return token_ids
+
+
+def resolve_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int,
+                       fit_max_tokens: bool) -> int:
+    """How many tokens a request may generate: ``max_tokens``, or the context left when None.
+
+    A ``max_tokens`` that does not fit the context is cut to it when ``fit_max_tokens`` (the
+    request then ends with finish reason "length", as vLLM's offline ``LLM`` does) and refused
+    otherwise (the OpenAI API's rule, which the server follows).
+    """
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        return room
+    if max_tokens > room and not fit_max_tokens:
+        raise ParameterError("max_tokens", f"is too large: {max_tokens}; the prompt has {num_prompt_tokens} "
+                             f"tokens and max_model_len is {max_model_len}", code="context_length_exceeded")
+    return min(max_tokens, room)
+
+
 def _load_tokenizer(model_dir: str):
     if not any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return None  # tiny test checkpoints: token-id prompts only
@@ -183,58 +223,43 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of ``prompt``; ``ValueError`` naming ``prompt`` if they are unusable."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt must be a list of token ids: this checkpoint has no tokenizer")
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = list(prompt)
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, must be < max_model_len ({self.max_model_len})")
-        return token_ids
+        """Token ids of ``prompt``, checked (see :func:`encode_prompt`)."""
+        return encode_prompt(self.tokenizer, prompt, self.config.vocab_size, self.max_model_len)
 
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, priority: int = 0) -> EngineRequest:
+                     request_id: str | None = None, priority: int = 0,
+                     fit_max_tokens: bool = True) -> EngineRequest:
         """Validate everything about a request and build it, without queueing it.
 
-        ``LLM.generate`` builds every request first, so a bad prompt anywhere in a batch raises
-        before anything is scheduled. ``priority`` matters with ``scheduling_policy="priority"``:
-        lower values are served first.
+        This is the engine's one validation: it raises :class:`ParameterError` naming the
+        argument. ``LLM.generate`` builds every request first, so a bad prompt anywhere in a
+        batch raises before anything is scheduled. ``priority`` matters with
+        ``scheduling_policy="priority"``: lower values are served first. ``fit_max_tokens``: see
+        :func:`resolve_max_tokens`.
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise ParameterError("params", f"must be a SamplingParams, got {type(params).__name__}")
         params.validate()
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an int, got {priority!r}")
+        check_int("priority", priority, -(2**63))
         token_ids = self.encode_prompt(prompt)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        # Generation stops at max_model_len as in vLLM (finish reason "length").
-        max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
+            raise ParameterError("request_id", f"{request_id!r} is already in use")
+        max_tokens = resolve_max_tokens(params.max_tokens, len(token_ids), self.max_model_len, fit_max_tokens)
         req = EngineRequest(request_id, token_ids, params, max_tokens, self.eos_token_ids,
                             self.config.kvcache_block_size, self.tokenizer, priority)
         self.scheduler.check_schedulable(req)  # e.g. more KV blocks than the whole cache
         return req
 
     def add_request(self, prompt: str | list[int] | EngineRequest, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0, fit_max_tokens: bool = True) -> str:
         """Queue a request; returns its id. Raises ``ValueError`` (and queues nothing) on bad input."""
         if isinstance(prompt, EngineRequest):
             req = prompt
         else:
-            req = self.make_request(prompt, params, request_id, priority)
+            req = self.make_request(prompt, params, request_id, priority, fit_max_tokens)
         self.scheduler.add_request(req)
         self.requests[req.request_id] = req
         return req.request_id

@@ -8,7 +8,9 @@ shard id the fused layer's loader expects.
 
 from __future__ import annotations
 
+import functools
 import glob
+import logging
 import os
 from contextlib import contextmanager
 
@@ -16,20 +18,49 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.models import get_model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger(__name__)
 
 
-def resolve_dtype(dtype, config) -> torch.dtype:
-    """``None`` means the checkpoint's dtype (``dtype``/``torch_dtype`` in config.json)."""
-    if dtype is None:
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 in hardware (AVX-512 BF16 or AMX); emulated bfloat16
+    on an AVX2-only CPU runs several times slower than float32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str = "cpu") -> torch.dtype:
+    """A dtype name, or ``None``/``"auto"``: vLLM's "auto", decided by the machine.
+
+    On a GPU bfloat16 (float16 where the GPU lacks it); on a CPU bfloat16 only where the CPU
+    has it in hardware, float32 otherwise. The choice is logged once per process.
+    """
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
+    if dtype is None or dtype == "auto":
+        return _auto_dtype(torch.device(device).type)
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {dtype!r}")
+        raise ParameterError("dtype", f"must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+@functools.cache
+def _auto_dtype(device_type: str) -> torch.dtype:
+    if device_type == "cuda":
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        log.info("dtype auto: %s on %s", dtype, torch.cuda.get_device_name())
+    else:
+        dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        log.info("dtype auto: %s (CPU %s native bfloat16)", dtype, "with" if cpu_has_native_bf16() else "without")
+    return dtype
 
 
 def load_config(model_dir: str):
@@ -93,7 +124,7 @@ def get_model(model_dir: str, dtype=None, device: str | torch.device = "cpu", tp
               tp_size: int = 1, tp_group=None, config=None) -> torch.nn.Module:
     """Build the registered model class for ``model_dir`` on ``device`` and load its weights."""
     config = config or load_config(model_dir)
-    torch_dtype = resolve_dtype(dtype, config)
+    torch_dtype = resolve_dtype(dtype, device)
     model_cls = get_model_class(config)
     with _default_dtype(torch_dtype), torch.device(device):
         model = model_cls(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)

@@ -1,5 +1,7 @@
-"""The OpenAI wire format the server speaks: request models, error bodies, SSE framing.
+"""The OpenAI wire format the server speaks: request models and error bodies.
 
+The models check the JSON's *shape* (types, required fields); the *values* are the engine's to
+judge (``SamplingParams.validate`` and ``LLMEngine.make_request``), so each rule is written once.
 Only what the engine can honour is accepted. Fields the OpenAI API defines but this engine does
 not implement (``n > 1``, ``logprobs``, ``best_of``, ``echo``, penalties, tools, ...) are
 refused with a 400 that names the field, instead of being silently ignored: a client that asks
@@ -11,7 +13,6 @@ travel as extra fields of the JSON body (the openai client sends them with ``ext
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, Literal
@@ -53,15 +54,6 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sse(data: dict | str) -> str:
-    """One server-sent event: ``data: <json>`` and a blank line (``[DONE]`` is sent verbatim)."""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {payload}\n\n"
-
-
-SSE_DONE = sse("[DONE]")
-
-
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -72,8 +64,8 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: float | None = None
+    top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -107,9 +99,19 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_kwargs(self, max_tokens: int) -> dict[str, Any]:
-        """Keyword arguments for ``SamplingParams``; unset fields keep the engine's defaults."""
-        kwargs: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos}
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def field_names(self) -> dict[str, str]:
+        """The body field each engine argument came from, where the names differ."""
+        return {}
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``SamplingParams``; unset fields keep the engine's defaults
+        (``max_tokens`` None: up to the context left)."""
+        kwargs: dict[str, Any] = {"max_tokens": self.requested_max_tokens, "ignore_eos": self.ignore_eos}
         if self.temperature is not None:
             kwargs["temperature"] = self.temperature
         if self.top_p is not None:
@@ -129,7 +131,7 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: a prompt (text or token ids, one or a batch) to continue."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -183,8 +185,8 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
@@ -205,6 +207,13 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         # OpenAI deprecated max_tokens for max_completion_tokens; vLLM takes either.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def field_names(self) -> dict[str, str]:
+        names = {"prompt": "messages"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -1,4 +1,4 @@
-"""Exercise 07.S4 of 07_engine: your versions of vllm_from_scratch/load_generator.py.
+"""Exercise 07.S4 of 07_engine: your versions of load_generator.py.
 
 Replace each `raise NotImplementedError(...)` with your code, then run
 `pytest 07_engine/ --impl=student` (or `--exercise ID` for one exercise). The tests are
@@ -7,7 +7,7 @@ the chapter's own; see exercises/README.md for how your function is put in place
 
 from __future__ import annotations
 
-from vllm_from_scratch.load_generator import RequestResult
+from load_generator import RequestResult
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:

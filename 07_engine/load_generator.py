@@ -1,6 +1,6 @@
 """Load generator: replay a seeded workload against a running server, print vLLM-style results.
 
-    python -m vllm_from_scratch.load_generator --num-requests 32 --request-rate 2
+    python 07_engine/load_generator.py --num-requests 32 --request-rate 2
 
 Seed 003's ``user.py`` simulated users sending requests to the engine; this is the same idea
 against the real HTTP server, measured the way ``vllm bench serve`` measures it:

@@ -1,0 +1,117 @@
+"""Server-sent events and the plumbing between engine outputs and an HTTP response.
+
+A completion with several prompts is several engine requests, each an async stream of
+``RequestOutput``; :func:`merge_streams` interleaves them as they come. :func:`stream_events`
+turns outputs into SSE chunks for a streamed response, :func:`collect_or_abort` gathers them
+for a whole one. Both abort every engine request still running when the client goes away, so
+the engine frees its KV blocks at once instead of generating for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+
+from vllm_from_scratch.async_llm import EngineDeadError, RequestStream
+from vllm_from_scratch.openai_protocol import APIError, error_body
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line (``[DONE]`` is sent verbatim)."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+class ClientGone(Exception):
+    """The client disconnected before a whole (non-streamed) response was ready."""
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several requests' outputs as they come, tagged with their choice index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                merged.put_nowait((i, out))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
+            merged.put_nowait((i, exc))
+        merged.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await merged.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def stream_events(streams: list[RequestStream], on_output: Callable[[int, Any], None],
+                        chunk: Callable[..., str]) -> AsyncIterator[str]:
+    """SSE chunks (made by ``chunk(index, text, finish_reason)``) for every output that carries
+    text or a finish reason; ``on_output(index, output)`` sees every output first.
+
+    The ``finally`` is the disconnect path: when the client goes away Starlette cancels this
+    generator at its ``await``, and every request still running is aborted.
+    """
+    try:
+        async for i, out in merge_streams(streams):
+            on_output(i, out)
+            if out.new_text or out.finished:
+                yield chunk(i, out.new_text, out.finish_reason if out.finished else None)
+    except EngineDeadError as exc:
+        yield sse(error_body(str(exc), "server_error"))
+    finally:
+        for s in streams:
+            s.abort()
+
+
+async def _collect(streams: list[RequestStream], on_output: Callable[[int, Any], None]) -> None:
+    try:
+        async for i, out in merge_streams(streams):
+            on_output(i, out)
+    finally:
+        for s in streams:
+            s.abort()
+
+
+async def collect_or_abort(raw: Request, streams: list[RequestStream],
+                           on_output: Callable[[int, Any], None]) -> None:
+    """Run a non-streamed request to the end, aborting it if its client disconnects first."""
+    work = asyncio.ensure_future(_collect(streams, on_output))
+    gone = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if work not in done:
+        work.cancel()  # its finally aborts the engine requests
+        raise ClientGone()
+    try:
+        work.result()
+    except EngineDeadError as exc:
+        raise APIError(str(exc), status_code=503) from exc
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
