@@ -22,12 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from sequence import Sequence
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division for non-negative integers."""
-    return -(-a // b)
+from sequence import Sequence, cdiv  # cdiv is re-exported: later chapters import it from here
 
 
 class Block:

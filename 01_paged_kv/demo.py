@@ -21,7 +21,7 @@ import argparse
 
 import torch
 
-from block_manager import BlockManager
+from block_manager import BlockManager, cdiv
 from kv_cache import bytes_per_block, num_blocks_for_budget
 from sequence import Sequence
 
@@ -39,7 +39,7 @@ def sample_lengths(num_requests: int, max_model_len: int, median: float, sigma: 
 
 def paged_reserved_slots(lengths: list[int], block_size: int) -> int:
     """Allocate every request in a BlockManager and count the slots its blocks hold."""
-    num_blocks = sum(-(-n // block_size) for n in lengths)
+    num_blocks = sum(cdiv(n, block_size) for n in lengths)
     bm = BlockManager(num_blocks, block_size)
     seqs = [Sequence([0] * n, block_size=block_size) for n in lengths]
     for seq in seqs:

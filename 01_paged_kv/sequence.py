@@ -12,6 +12,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative integers: ``cdiv(tokens, block_size)`` blocks hold them.
+
+    Defined beside :class:`Sequence`, which counts its own blocks with it; ``block_manager``
+    re-exports it, and later chapters import it from there (``from block_manager import cdiv``).
+    """
+    return -(-a // b)
+
+
 class Sequence:
     """Token ids plus the paging state of one request.
 
@@ -65,7 +74,7 @@ class Sequence:
     @property
     def num_blocks(self) -> int:
         """Blocks needed to hold every token of the sequence."""
-        return (self.num_tokens + self.block_size - 1) // self.block_size
+        return cdiv(self.num_tokens, self.block_size)
 
     @property
     def last_block_num_tokens(self) -> int:

@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from attention_backends import select_backend  # noqa: E402
+from block_manager import cdiv  # noqa: E402
 from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen  # noqa: E402
 from paged_attention_cpu import cpu_kernel_available, paged_attention_decode_cpu  # noqa: E402
 from paged_attention_triton import paged_attention_decode_triton, paged_attention_varlen_triton  # noqa: E402
@@ -41,7 +42,7 @@ def build_paged_cache(kv_lens, num_kv_heads, head_dim, block_size, generator, sp
 
     Returns ``k_cache, v_cache, block_tables (padded with -1), [k per sequence], [v per sequence]``.
     """
-    blocks_per_seq = [-(-n // block_size) for n in kv_lens]
+    blocks_per_seq = [cdiv(n, block_size) for n in kv_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=generator) * 100
@@ -105,7 +106,7 @@ def naive_decode_loop(q, k_cache, v_cache, block_tables, context_lens, scale):
     out = torch.empty_like(q)
     bs = k_cache.shape[1]
     for b, n in enumerate(context_lens.tolist()):
-        table = block_tables[b, :-(-n // bs)].long()
+        table = block_tables[b, :cdiv(n, bs)].long()
         k = k_cache[table].flatten(0, 1)[:n].transpose(0, 1)  # [Hkv, n, D]
         v = v_cache[table].flatten(0, 1)[:n].transpose(0, 1)
         out[b] = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=scale, enable_gqa=True)[:, 0]

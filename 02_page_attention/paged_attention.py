@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from block_manager import cdiv
+
 
 def _check_gqa(num_q_heads: int, num_kv_heads: int) -> None:
     if num_q_heads % num_kv_heads:
@@ -96,7 +98,7 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> 
     clamped to a valid index here and hidden by the caller's length mask.
     """
     block_size = cache.shape[1]
-    num_blocks = -(-max_len // block_size)
+    num_blocks = cdiv(max_len, block_size)
     table = block_tables[:, :num_blocks].long().clamp(0, cache.shape[0] - 1)
     # index_select copies each block as one contiguous row; advanced indexing (cache[table])
     # copies element by element, about 6x slower on a CPU for bfloat16 blocks.

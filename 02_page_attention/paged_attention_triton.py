@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from block_manager import cdiv
 from triton_setup import HAS_TRITON, INTERPRETED, tl, triton  # before any other triton import
 
 # Triton's interpreter keeps bfloat16 as raw uint16 bits and its tl.dot multiplies those bits
@@ -67,7 +68,7 @@ def _check_common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return  # the value checks below copy to the host, which a CUDA graph capture forbids
     if num_seqs and int(lens.min()) < 1:
         raise ValueError(f"{lens_name} must be >= 1 for every sequence (a query needs a key to attend to)")
-    if num_seqs and -(-int(lens.max()) // k_cache.shape[1]) > block_tables.shape[1]:
+    if num_seqs and cdiv(int(lens.max()), k_cache.shape[1]) > block_tables.shape[1]:
         raise ValueError(f"block_tables has {block_tables.shape[1]} columns, too few for {lens_name} "
                          f"{int(lens.max())} at block_size {k_cache.shape[1]}")
 
@@ -269,7 +270,7 @@ def paged_attention_varlen_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         max_seqlen_q = int(q_lens.max()) if num_seqs else 0
     if max_seqlen_q == 0:
         return out
-    grid = (triton.cdiv(max_seqlen_q, VARLEN_BLOCK_M), num_seqs, num_heads)
+    grid = (cdiv(max_seqlen_q, VARLEN_BLOCK_M), num_seqs, num_heads)
     _paged_varlen_kernel[grid](
         q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, out, float(scale),
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],

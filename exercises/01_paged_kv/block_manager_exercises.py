@@ -7,7 +7,7 @@ the chapter's own; see exercises/README.md for how your function is put in place
 
 from __future__ import annotations
 
-from sequence import Sequence
+from sequence import Sequence, cdiv
 
 
 def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:

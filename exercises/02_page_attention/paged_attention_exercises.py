@@ -8,6 +8,7 @@ the chapter's own; see exercises/README.md for how your function is put in place
 from __future__ import annotations
 
 import torch
+from block_manager import cdiv
 import torch.nn.functional as F
 from paged_attention import _check_capacity, _check_gqa, _check_paged_args, gather_kv
 from paged_attention import _check_capacity, _check_gqa, _check_paged_args, gather_kv, paged_attention_decode
@@ -19,7 +20,7 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> 
     Entries of ``block_tables`` past a sequence's blocks may hold anything (padding); they are
     clamped to a valid index here and hidden by the caller's length mask.
 
-    Hint: Index the cache with the first ceil(max_len / block_size) entries of each block table
+    Hint: Index the cache with the first cdiv(max_len, block_size) entries of each block table
     (clamped: padding may hold anything), flatten blocks and slots into one axis, cut at
     max_len.
 
