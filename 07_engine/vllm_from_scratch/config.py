@@ -176,6 +176,8 @@ class EngineConfig:
                                      "auto", choices=BACKENDS)
     speculative_config: dict | None = setting(
         'speculative decoding (chapter 05), e.g. {"method": "ngram", "num_speculative_tokens": 4}')
+    step_trace: str | None = setting("write one JSON line per engine step to this file (docs/step_trace.md); "
+                                     "None: no trace, no cost")
     hf_config: object = field(default=None, init=False, repr=False)
     torch_dtype: torch.dtype = field(default=None, init=False, repr=False)
     torch_device: torch.device = field(default=None, init=False, repr=False)
