@@ -250,7 +250,8 @@ class GlobalKVPool:
         backend: where blocks live; a private :class:`EmbeddedKVPool` when omitted.
         namespace: part of every key; must identify the model and KV layout (two models'
             blocks with the same token ids must never meet).
-        block_size: tokens per block; ``query`` counts in tokens as the seed did.
+        block_size: tokens per block; ``query`` answers in tokens (leading blocks held times
+            this).
 
     Counters: ``num_published`` / ``num_fetched`` blocks, ``num_faults`` fetches or queries that
     fell back to recompute.

@@ -6,8 +6,8 @@ cache works on *full blocks* of ``BLOCK_SIZE`` tokens: a block is identified by 
 token ids *and of everything before it* (the parent block's hash), so equal hashes mean equal
 prefixes, and looking up a prompt is a walk down its chain of hashes until the first miss.
 
-This module is the seed's standalone model of the idea (``PrefixCacheLocal``); chapter 03's
-``PrefixCachingBlockManager`` applies the same hashing to chapter 01's paged block manager, which
+This module is a standalone model of the idea (``PrefixCacheLocal``), with no block manager
+under it; chapter 03's ``PrefixCachingBlockManager`` applies the same hashing to chapter 01's paged block manager, which
 is what the engine runs. The hash functions here are shared by both, and by the global KV pool,
 so they must give the same answer in every process: they use xxHash over a canonical byte
 encoding, never Python's ``hash()`` (salted per process for str/bytes).

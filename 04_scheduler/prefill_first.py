@@ -1,4 +1,4 @@
-"""nano-vllm's scheduling policy (seed 001): a step is either all prefill or all decode.
+"""nano-vllm's scheduling policy: a step is either all prefill or all decode.
 
 ``schedule()`` first tries to admit waiting requests; if it admitted any, the step runs only
 those prompts, and the running requests wait a step. Only when nothing can be admitted does it

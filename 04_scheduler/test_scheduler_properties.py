@@ -49,7 +49,7 @@ def test_the_driver_catches_a_lost_block():
 
 def test_the_driver_catches_the_seed_livelock():
     class SeedScheduler(Scheduler):
-        def _preempt(self, req):  # seed 000: the victim stays in running *and* joins waiting
+        def _preempt(self, req):  # the double-queue bug: the victim stays running *and* waits
             super()._preempt(req)
             self.running.append(req)
 

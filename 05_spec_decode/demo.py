@@ -42,8 +42,8 @@ def toy_sampler(num_rows: int, seed: int) -> None:
         print(f"   {j}    {fmt}   {' '.join(f'{x:.3f}' for x in hist.tolist())}   {tv:.4f}")
     measured = (num_accepted_tokens(out) >= 1).float().mean().item()
     print(f"   acceptance at position 0: measured {measured:.4f}, "
-          f"sum(min(p, q)) = {torch.minimum(p[0], q[0]).sum().item():.4f}; the seed's "
-          f"exact-match check would accept sum(p*q) = {(p[0] * q[0]).sum().item():.4f}")
+          f"sum(min(p, q)) = {torch.minimum(p[0], q[0]).sum().item():.4f}; "
+          f"exact-match verification would accept sum(p*q) = {(p[0] * q[0]).sum().item():.4f}")
     small = slice(0, 8)
     noise = sample_rejection_noise(8, K, V, generator=g)
     a = rejection_sample(draft[small], q.expand(8, K, V), p.expand(8, K + 1, V), noise=noise)

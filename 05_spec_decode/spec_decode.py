@@ -14,8 +14,10 @@ and one exponential vector per request. The recovered or bonus token is the expo
 ``w_i / sum(w)`` without normalising ``w``. The torch and Triton versions consume the same noise
 and so agree token for token.
 
-The seed's names are kept: :func:`draft_generate`, :func:`verify_and_sample`,
-:func:`speculative_decode_step` and the greedy, flattened :func:`rejection_sampling_batched`.
+Around the sampler: :func:`draft_generate`, :func:`verify_and_sample` and
+:func:`speculative_decode_step` run one draft → verify → emit step on real models, and
+:func:`rejection_sampling_batched` is greedy verification over vLLM's flattened layout (one
+1-D tensor for the whole batch, ``cu_num_logits`` offsets per request).
 """
 
 from __future__ import annotations
@@ -209,13 +211,13 @@ def num_accepted_tokens(output_token_ids: torch.Tensor) -> torch.Tensor:
 
 
 # ─────────────────────────────────────────────────────────────────────────────────────────────
-# The seed's greedy batched sampler (vLLM's flattened layout)
+# Greedy verification over vLLM's flattened layout
 # ─────────────────────────────────────────────────────────────────────────────────────────────
 
 def rejection_sampling_batched(target_sampled: torch.Tensor, draft_tokens: torch.Tensor,
                                cu_num_logits: torch.Tensor, num_speculative_steps: int,
                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification over vLLM's flattened layout (the seed's listing, vectorised).
+    """Greedy verification over vLLM's flattened layout, vectorised: no loop over requests.
 
     Request r owns flat positions ``cu_num_logits[r] : cu_num_logits[r+1]`` (its drafts plus
     one). ``target_sampled[i]`` is the target's token at position i; ``draft_tokens`` is the
@@ -252,7 +254,7 @@ def rejection_sampling_batched(target_sampled: torch.Tensor, draft_tokens: torch
 
 
 # ─────────────────────────────────────────────────────────────────────────────────────────────
-# One speculative step with real models (the seed's draft → verify → step)
+# One speculative step with real models: draft → verify → emit
 # ─────────────────────────────────────────────────────────────────────────────────────────────
 
 class LogitsModel(Protocol):
@@ -294,7 +296,8 @@ def verify_and_sample(target_model: LogitsModel, context_ids: Sequence[int],
     """One target forward over context + drafts, then rejection sampling.
 
     Returns ``(emitted_tokens, num_accepted)``: the accepted drafts followed by one recovered or
-    bonus token, so ``len(emitted_tokens) == num_accepted + 1`` (the seed dropped the bonus).
+    bonus token, so ``len(emitted_tokens) == num_accepted + 1``: when every draft is accepted,
+    the target's K+1-th distribution, already computed by the same forward, gives a bonus token.
     """
     k = len(draft_tokens)
     logits = target_model.get_logits(list(context_ids) + list(draft_tokens), k + 1)

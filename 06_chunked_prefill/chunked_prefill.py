@@ -13,7 +13,7 @@ an order: decoding requests are visited first, so a long prefill can never take 
     decode B    B                 B                 B
     prompt P    P[0:6]   (no tok) P[6:12]  (no tok) P[12:14] -> samples its first token
 
-:class:`SchedulerInfo` is seed 003's description of such a mixed batch (``merge_prompt``,
+:class:`SchedulerInfo` describes such a mixed batch as one merged input (``merge_prompt``,
 ``chunk_len``, ``last_pos`` ...), built from a :class:`scheduler.SchedulerOutput`;
 :func:`build_batch_inputs` turns a step into the flat tensors one forward pass needs
 (``input_ids``, ``positions``, ``cu_seqlens_q``, ``seq_lens_k``, ``slot_mapping``,
@@ -75,7 +75,7 @@ class ChunkedPrefillScheduler(Scheduler):
 
 @dataclass
 class SchedulerInfo:
-    """Seed 003's batch description: every scheduled request's slice of one merged input.
+    """The batch description: every scheduled request's slice of one merged input.
 
     Row ``i`` is request ``ids[i]``; its tokens are ``merge_prompt[chunk_idx[i] :
     chunk_idx[i] + chunk_len[i]]`` at positions ``kv_len[i] ...``, attending to ``kv_len[i] +

@@ -1,7 +1,7 @@
 """Chunked prefill on a toy transformer: watch a long prompt go through in pieces.
 
 Two requests are decoding when a 40-token prompt arrives. Each line is one step of the
-``ChunkedPrefillScheduler`` (token budget 8): the batch as seed 003's ``SchedulerInfo`` sees it
+``ChunkedPrefillScheduler`` (token budget 8): the batch as ``SchedulerInfo`` describes it
 (``D`` decode rows, ``P`` prefill chunks with their ``kv_len``/``chunk_len``, ``last_pos = -1``
 when the chunk samples nothing). The same requests then run through chapter 04's scheduler
 (whole prompts), and the demo checks that both produce the same tokens, and that every sampled

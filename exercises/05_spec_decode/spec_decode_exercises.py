@@ -46,7 +46,7 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
 def rejection_sampling_batched(target_sampled: torch.Tensor, draft_tokens: torch.Tensor,
                                cu_num_logits: torch.Tensor, num_speculative_steps: int,
                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification over vLLM's flattened layout (the seed's listing, vectorised).
+    """Greedy verification over vLLM's flattened layout, vectorised: no loop over requests.
 
     Request r owns flat positions ``cu_num_logits[r] : cu_num_logits[r+1]`` (its drafts plus
     one). ``target_sampled[i]`` is the target's token at position i; ``draft_tokens`` is the

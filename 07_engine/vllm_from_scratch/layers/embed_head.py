@@ -1,4 +1,4 @@
-"""Vocabulary-parallel embedding and LM head (seed 002).
+"""Vocabulary-parallel embedding and LM head.
 
 Rank ``r`` owns token ids ``[r*n, (r+1)*n)`` with ``n = ceil(vocab / tp_size)``; the last shard is
 zero-padded when the vocabulary does not divide. The embedding looks up only its own ids, zeros

@@ -1,4 +1,4 @@
-"""Linear layers split across tensor-parallel ranks (Megatron-style, as seed 002 describes).
+"""Linear layers split across tensor-parallel ranks, Megatron-style.
 
 * :class:`ColumnParallelLinear` splits the *output* features: each rank computes a slice of
   ``y``; no communication.
