@@ -3,13 +3,14 @@
 Each chapter has a registry, ``exercises/<chapter>/exercises.toml``, listing its exercises::
 
     [[exercise]]
-    id = "01.2"                                          # chapter.number, as in the README
-    title = "Grow a block table"                         # one line for the exercise list
+    id = "01.1"                                          # chapter.number, as in the README
+    title = "Grow a block table by whole blocks, attaching prefix hits first"
     target = "block_manager:BlockManager.allocate_slots" # module:qualified name of the reference
     stub = "block_manager_exercises.py:allocate_slots"   # file (beside the registry):function
     tests = ["01_paged_kv/test_block_manager.py::test_token_level_allocate_slots_grows_chunk_by_chunk"]
 
-A test grades at most one exercise. The stub files ship with the book, each function raising ``NotImplementedError("Exercise 01.2:
+``title`` is the exercise's one line in the exercise list. A test grades at most one exercise.
+The stub files ship with the book, each function raising ``NotImplementedError("Exercise 01.1:
 implement BlockManager.allocate_slots — see 01_paged_kv/README.md#exercises")``. Students edit
 the stubs, never the tests. With ``--impl=student`` (or ``VLLM_FS_IMPL=student``) every test runs
 with the student's version of the exercises that list it put in place of the reference: the class
@@ -19,7 +20,7 @@ exercises are swapped, so an unfinished exercise never fails another exercise's 
 that no exercise lists runs with every exercise of its chapter swapped: the chapter's whole
 student version (the demo test, for example). Everything is put back after each test.
 
-``--exercise 01.2`` (repeatable, or ``VLLM_FS_EXERCISE=01.2,01.3``) runs only that exercise's
+``--exercise 01.1`` (repeatable, or ``VLLM_FS_EXERCISE=01.1,01.3``) runs only that exercise's
 tests. ``--exercises-dir DIR`` (or ``VLLM_FS_EXERCISES_DIR``) reads the stubs from a copy of
 ``exercises/``, e.g. one student's submission, so a grader never touches the working tree.
 
