@@ -4,18 +4,22 @@ One model is split across ``world_size`` processes ("ranks"). Every rank holds a
 weight (chapter 07's ``layers/``: column-, row-, QKV-, merged-parallel linears and the
 vocab-parallel embedding / LM head) and runs *the same* forward on *the same* inputs; the layers
 talk only inside the forward (an all-reduce after each row-parallel linear and after the
-embedding, a gather of the logits to rank 0). Everything else, the scheduler, the block manager
-and the sampler, lives on rank 0 alone::
+embedding, a gather of the logits to rank 0). The engine's scheduler and block manager live on
+rank 0 alone, and only rank 0 samples: it alone receives the gathered logits. The engine talks to
+the ranks through one method, ``executor.call(method, *args)``, which runs
+``ModelRunner.<method>(*args)`` on every rank and returns rank 0's result::
 
-    rank 0 (this process)                        ranks 1..N-1 (spawned workers)
-    ─────────────────────                        ──────────────────────────────
-    LLM ─ scheduler ─ sampler
-     │
-     └─ executor.call("run", batch) ─ broadcast ─► worker loop: method, args = recv()
-         runner.run(batch)                          runner.run(batch)
-           forward on shard 0 ◄─── all-reduce ───►    forward on shard r
-           logits ◄──────────────── gather ─────────  (returns nothing)
-           sample
+    rank 0 (this process)                               ranks 1..N-1 (spawned workers)
+    ─────────────────────                               ──────────────────────────────
+    LLMEngine.step()
+     ├─ scheduler.schedule() → scheduler_output
+     ├─ executor.call("execute_model", scheduler_output)
+     │    ├─ broadcast (method, args, kwargs) ───────►  worker loop: receive, then
+     │    └─ ModelRunner.execute_model(...)              ModelRunner.execute_model(...)
+     │         forward on shard 0 ◄──── all-reduce ───►    forward on shard r
+     │         logits ◄───────────────── gather ───────    (no logits: returns {})
+     │         sample, or verify the drafts
+     └─ scheduler.update_from_output(scheduler_output, sampled)
 
 How the ranks meet: rank 0 opens a ``TCPStore`` on port 0, so the OS picks a free port (no fixed
 port to collide with a second engine, and no race between "find a free port" and "bind it"), and
@@ -238,9 +242,9 @@ class TensorParallelExecutor:
         world_size: number of ranks, at least 2 (``LocalExecutor`` is the 1-rank case).
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, rank r on GPU r).
 
-    ``call("run", batch)`` broadcasts the call, then runs it on rank 0's runner and returns rank
-    0's result; the workers' results are dropped (their runners return nothing that matters:
-    only rank 0 holds the gathered logits). Only one executor may be alive per process, because
+    ``call("execute_model", scheduler_output)`` broadcasts the call, then runs it on rank 0's
+    runner and returns rank 0's result; the workers' results are dropped (their runners return
+    ``{}``: only rank 0 holds the gathered logits). Only one executor may be alive per process, because
     rank 0 uses this process's default ``torch.distributed`` group. Workers are *spawned*, which
     re-imports the main module: a script that builds one needs ``if __name__ == "__main__":``.
     """
