@@ -192,6 +192,27 @@ def chapter_modules() -> dict[str, str]:
             if not p.name.startswith("test_") and p.name not in ("demo.py", "conftest.py")}
 
 
+def book_modules() -> dict[str, str]:
+    """Every module of the book as its text names it -> the path to import it by.
+
+    Chapter modules are imported flat (``scheduler``, ``chunked_prefill``); the engine package's
+    modules by their dotted path (``vllm_from_scratch.layers.linear``) and, where no chapter
+    module has that name, by their last part too (``linear``, ``model_runner``), the way the
+    chapter READMEs write them. ``tests/test_documented_names.py`` resolves documented names
+    through this map.
+    """
+    modules = {name: name for name in chapter_modules()}
+    package = ROOT / "07_engine" / "vllm_from_scratch"
+    for path in sorted(package.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        dotted = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[dotted] = dotted
+        modules.setdefault(dotted.rsplit(".", 1)[-1], dotted)
+    return modules
+
+
 def engine_imports_markdown() -> str:
     """Which chapter modules each engine module imports, read from the code itself (AST)."""
     owners = chapter_modules()
