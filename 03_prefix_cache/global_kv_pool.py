@@ -32,6 +32,7 @@ import os
 import socket
 import struct
 import threading
+import time
 import warnings
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -253,12 +254,16 @@ class GlobalKVPool:
         block_size: tokens per block; ``query`` answers in tokens (leading blocks held times
             this).
 
+        retry_after_s: after the store itself fails (down, unreachable), the pool answers "miss"
+            at once for this long instead of asking again: a dead master costs one timeout per
+            ``retry_after_s``, not one per request.
+
     Counters: ``num_published`` / ``num_fetched`` blocks, ``num_faults`` fetches or queries that
     fell back to recompute.
     """
 
     def __init__(self, backend: KVPoolBackend | None = None, namespace: str = "default",
-                 block_size: int = 16):
+                 block_size: int = 16, retry_after_s: float = 10.0):
         if not namespace or "/" in namespace:
             raise ValueError(f"namespace must be a non-empty string without '/', got {namespace!r}")
         if block_size <= 0:
@@ -269,6 +274,8 @@ class GlobalKVPool:
         self.num_published = 0
         self.num_fetched = 0
         self.num_faults = 0
+        self.retry_after_s = retry_after_s
+        self._unavailable_until = 0.0
 
     def block_key(self, block_hash: BlockHash) -> str:
         return f"vfs/{self.namespace}/{block_hash.hex()}"
@@ -278,11 +285,22 @@ class GlobalKVPool:
         warnings.warn(f"global KV pool ({self.backend.name}): {message}; recomputing instead",
                       RuntimeWarning, stacklevel=3)
 
+    def _store_failed(self, message: str) -> None:
+        self._unavailable_until = time.monotonic() + self.retry_after_s
+        self._fault(f"{message}; not asking again for {self.retry_after_s:g} s")
+
+    @property
+    def available(self) -> bool:
+        """False for ``retry_after_s`` after the store failed."""
+        return time.monotonic() >= self._unavailable_until
+
     def _num_leading_present(self, block_hashes: list[BlockHash]) -> int:
+        if not self.available:
+            return 0
         try:
             present = self.backend.exists_many([self.block_key(h) for h in block_hashes])
         except Exception as exc:  # any store failure is a miss, never an engine crash
-            self._fault(f"query failed ({exc})")
+            self._store_failed(f"query failed ({exc})")
             return 0
         n = 0
         while n < len(present) and present[n]:
@@ -300,6 +318,8 @@ class GlobalKVPool:
         if not len(block_hashes) == len(block_token_ids) == len(block_ids):
             raise ValueError("block_hashes, block_token_ids and block_ids must have the same length")
         keys = [self.block_key(h) for h in block_hashes]
+        if not self.available:
+            return 0
         try:
             present = self.backend.exists_many(keys)
             items = {key: serialize_block(kv_cache[:, :, block_id], tuple(tokens))
@@ -307,7 +327,7 @@ class GlobalKVPool:
                      if not there}
             self.backend.put_many(items)
         except Exception as exc:
-            self._fault(f"publish failed ({exc})")
+            self._store_failed(f"publish failed ({exc})")
             return 0
         self.num_published += len(items)
         return len(items)
@@ -325,10 +345,13 @@ class GlobalKVPool:
         if not block_hashes:
             return 0
         shape = tuple(kv_cache[:, :, 0].shape)
+        if not self.available:
+            self._fault("the store failed recently")
+            return 0
         try:
             values = self.backend.get_many([self.block_key(h) for h in block_hashes])
         except Exception as exc:
-            self._fault(f"fetch failed ({exc})")
+            self._store_failed(f"fetch failed ({exc})")
             return 0
         for i, (value, tokens, block_id) in enumerate(zip(values, block_token_ids, block_ids)):
             if value is None:

@@ -143,18 +143,25 @@ def test_fault_wrong_tokens_under_a_key():
 class DownBackend(KVPoolBackend):
     name = "down"
 
-    def put_many(self, items):
+    def __init__(self):
+        self.calls = 0
+
+    def _refuse(self):
+        self.calls += 1
         raise KVPoolError("connection refused")
+
+    def put_many(self, items):
+        self._refuse()
 
     def get_many(self, keys):
-        raise KVPoolError("connection refused")
+        self._refuse()
 
     def exists_many(self, keys):
-        raise KVPoolError("connection refused")
+        self._refuse()
 
 
 def test_fault_store_down():
-    pool = GlobalKVPool(DownBackend(), block_size=BS)
+    pool = GlobalKVPool(DownBackend(), block_size=BS, retry_after_s=0)
     engine = MiniEngine(pool)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -166,6 +173,22 @@ def test_fault_store_down():
     with pytest.warns(RuntimeWarning, match="fetch failed"):
         assert pool.fetch(engine.block_manager.block_hashes(seq)[:1], [tuple(PROMPT[:BS])],
                           engine.kv_cache, [0]) == 0
+
+
+def test_a_down_store_is_asked_again_only_after_retry_after_s():
+    backend = DownBackend()
+    pool = GlobalKVPool(backend, block_size=BS, retry_after_s=60)
+    engine = MiniEngine(pool)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        for seed in range(5):
+            engine.finish(engine.prefill(prompt_tokens(seed, 40)))
+    assert backend.calls == 1 and not pool.available  # one timeout, then misses at no cost
+    assert engine.tokens_computed == 5 * 40 and engine.block_manager.all_blocks_free()
+    pool._unavailable_until = 0.0  # the back-off has run out
+    with pytest.warns(RuntimeWarning, match="query failed"):
+        assert pool.query(engine.block_manager.block_hashes(Sequence(prompt_tokens(0, 40), BS))) == 0
+    assert backend.calls == 2
 
 
 def test_embedded_pool_evicts_lru_by_bytes():

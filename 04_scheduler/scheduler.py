@@ -18,6 +18,10 @@ Two phases, under a token budget (``max_num_batched_tokens``) and a sequence cap
    right after taking blocks from a running one would just preempt it again). A waiting request
    is admitted when its prefix-cache hits plus its new tokens get blocks.
 
+With a global KV pool (``kv_connector``, chapter 07's connector on chapter 03's pool), a waiting
+request whose prompt the pool holds beyond the local hits takes its blocks and waits in
+``WAITING_FOR_REMOTE_KVS`` while the engine loads that K/V; then it runs like any other.
+
 Without chunked prefill (this chapter) a waiting request is admitted only if its whole remaining
 prompt fits the remaining budget; chapter 06's ``ChunkedPrefillScheduler`` overrides one method,
 :meth:`Scheduler._num_new_tokens`, to cut prompts into chunks instead.
@@ -35,6 +39,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from block_manager import BlockManager, cdiv
 from sequence import Sequence
@@ -44,12 +49,13 @@ class RequestStatus(enum.IntEnum):
     """Where a request is in its life. Every ``FINISHED_*`` status is final."""
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3  # a stop token (EOS), or a stop string (the engine calls finish_request)
-    FINISHED_LENGTH = 4  # max_tokens reached
-    FINISHED_ABORTED = 5  # the client went away, or the engine gave up on it
-    FINISHED_LENGTH_CAPPED = 4  # the README listing's name for FINISHED_LENGTH (same member)
+    WAITING_FOR_REMOTE_KVS = 1  # blocks allocated, K/V being loaded from a global pool (chapter 07)
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4  # a stop token (EOS), or a stop string (the engine calls finish_request)
+    FINISHED_LENGTH = 5  # max_tokens reached
+    FINISHED_ABORTED = 6  # the client went away, or the engine gave up on it
+    FINISHED_LENGTH_CAPPED = 5  # the README listing's name for FINISHED_LENGTH (same member)
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -152,6 +158,24 @@ def _one_of(name: str, value, other_name: str, other_value):
     return value if other_value is None else other_value
 
 
+class KVConnector(Protocol):
+    """The scheduler side of a global KV pool (vLLM's ``KVConnectorBase_V1`` names).
+
+    The engine's connector (chapter 07, on chapter 03's pool) implements it; the scheduler only
+    asks and tells, it never moves K/V.
+    """
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Prompt tokens past ``num_computed_tokens`` (the local hits) the pool holds, in whole
+        blocks, never the last prompt token."""
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        """``request``'s blocks are allocated: remember to load those tokens into them."""
+
+    def request_finished(self, request: Request) -> None:
+        """``request`` ended (finished, aborted): forget its pending work."""
+
+
 @dataclass
 class SchedulerOutput:
     """What one step runs: the batch, in the order the forward must process it.
@@ -174,6 +198,7 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     sampling_request_ids: set[str] = field(default_factory=set)
     token_budget: int = 0
+    kv_connector_metadata: object | None = None  # what a global KV pool's workers do this step
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -274,6 +299,10 @@ class Scheduler:
         block_size: tokens per KV block; every request must use the same.
         block_manager: a chapter 01 :class:`BlockManager` or a subclass (chapter 03's
             ``PrefixCachingBlockManager``); by default ``BlockManager(num_gpu_blocks, block_size)``.
+        kv_connector: optional, a global KV pool's scheduler side (:class:`KVConnector`): at
+            admission, after the local prefix hits, it says how many more prompt tokens the
+            pool holds; the request then waits in ``WAITING_FOR_REMOTE_KVS``, holding its
+            blocks, until :meth:`finish_remote_loads` says how many arrived.
 
     The defaults size a small example (``Scheduler(policy="priority")`` runs as is).
     """
@@ -281,7 +310,8 @@ class Scheduler:
     chunked_prefill = False
 
     def __init__(self, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096, num_gpu_blocks: int = 1000,
-                 policy: str = "fcfs", block_size: int = 16, block_manager: BlockManager | None = None):
+                 policy: str = "fcfs", block_size: int = 16, block_manager: BlockManager | None = None,
+                 kv_connector: KVConnector | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -300,6 +330,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: FCFSQueue | PriorityQueue = FCFSQueue() if policy == "fcfs" else PriorityQueue()
         self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS, in admission order
+        self.kv_connector = kv_connector
         self.requests: dict[str, Request] = {}  # every live (unfinished) request
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self.num_preemptions = 0
@@ -352,7 +384,7 @@ class Scheduler:
                 f"needs {blocks} KV blocks but the cache has {self.block_manager.num_blocks}")
 
     def has_requests(self) -> bool:
-        return bool(self.waiting) or bool(self.running)
+        return bool(self.waiting) or bool(self.running) or bool(self.loading)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> bool:
         """End a live request with a final ``status``, wherever it is; its blocks go back.
@@ -367,6 +399,8 @@ class Scheduler:
             return False
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            del self.loading[request_id]
         else:
             self.waiting.remove(req)
         self._finish(req, status)
@@ -379,6 +413,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         req.spec_token_ids = []
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(req)
         self.block_manager.free(req)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
@@ -438,8 +474,10 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> tuple[list[Request], int]:
         """Phase 2: admit waiting (new or preempted) requests, in queue order, while they fit."""
         scheduled: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             req = self.waiting.peek()
+            if self._start_remote_load(req):
+                continue
             num_new = self._admit(req, budget)
             if num_new == 0:
                 break  # the head of the queue waits; nothing may overtake it
@@ -485,6 +523,38 @@ class Scheduler:
         if req.num_preemptions == 0:
             req.num_cached_tokens = num_hit_tokens
         return num_new
+
+    # ------------------------------------------------------------------ a global KV pool
+    def _start_remote_load(self, req: Request) -> bool:
+        """If the connector holds more of ``req``'s prompt than the local cache, take its blocks
+        now and park it in ``WAITING_FOR_REMOTE_KVS`` until the K/V has arrived."""
+        if self.kv_connector is None:
+            return False
+        computed = self.block_manager.get_computed_blocks(req)
+        num_hit_tokens = len(computed) * self.block_size
+        num_external = self.kv_connector.get_num_new_matched_tokens(req, num_hit_tokens)
+        if num_external <= 0 or not self.block_manager.allocate_slots(req, num_external, computed):
+            return False
+        self.waiting.pop()
+        req.num_computed_tokens = num_hit_tokens
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[req.request_id] = req
+        self.kv_connector.update_state_after_alloc(req, num_external)
+        return True
+
+    def finish_remote_loads(self, num_loaded_tokens: dict[str, int]) -> None:
+        """The pool's K/V arrived: ``num_loaded_tokens[rid]`` tokens (block-aligned, possibly fewer
+        than promised: what failed to load is computed instead). The request starts running."""
+        for rid, num_loaded in num_loaded_tokens.items():
+            req = self.loading.pop(rid, None)
+            if req is None:
+                continue  # aborted while its K/V was on the way
+            req.num_computed_tokens += num_loaded
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            self.block_manager.cache_full_blocks(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
 
     def _record(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         rid = req.request_id
@@ -587,16 +657,17 @@ class Scheduler:
         """Assert the queues and the block accounting agree (tests call it after every step)."""
         self.block_manager.check_invariants()
         waiting = list(self.waiting)
-        ids = [r.request_id for r in waiting] + [r.request_id for r in self.running]
+        ids = [r.request_id for r in waiting] + [r.request_id for r in self.running] + list(self.loading)
         assert len(ids) == len(set(ids)), f"a request is queued twice: {ids}"
         assert set(ids) == set(self.requests), "a live request is in no queue (or a dead one in one)"
-        assert len(self.running) <= self.max_num_seqs
+        assert len(self.running) + len(self.loading) <= self.max_num_seqs
         for r in waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
             assert not r.block_table and r.num_computed_tokens == 0, r
         holders: dict[int, int] = {}
-        for r in self.running:
-            assert r.status == RequestStatus.RUNNING, r
+        for r in self.running + list(self.loading.values()):
+            expected = RequestStatus.RUNNING if r in self.running else RequestStatus.WAITING_FOR_REMOTE_KVS
+            assert r.status == expected, r
             assert r.num_computed_tokens < r.num_tokens, r
             assert len(r.block_table) * self.block_size >= r.num_computed_tokens, r
             for b in r.block_table:

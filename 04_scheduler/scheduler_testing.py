@@ -83,6 +83,48 @@ class FakeModel:
         return result
 
 
+class FakeConnector:
+    """A global KV pool that, by chance, holds some more blocks of an admitted request's prompt.
+
+    ``load(model, rng)`` plays the engine's part before a step: every pending load delivers a
+    random whole number of its promised blocks (fewer is a fault the request must survive by
+    computing the rest), written into the fake KV cache as a remote engine computed them.
+    """
+
+    def __init__(self, rng: random.Random, block_size: int, p_hit: float):
+        self.rng = rng
+        self.block_size = block_size
+        self.p_hit = p_hit
+        self.pending: dict[str, tuple[Request, int]] = {}
+        self.num_promised = self.num_loaded = 0
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        max_blocks = (request.num_tokens - 1) // self.block_size - num_computed_tokens // self.block_size
+        if max_blocks <= 0 or self.rng.random() >= self.p_hit:
+            return 0
+        return self.rng.randint(1, max_blocks) * self.block_size
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        self.pending[request.request_id] = (request, num_external_tokens)
+        self.num_promised += num_external_tokens
+
+    def request_finished(self, request: Request) -> None:
+        self.pending.pop(request.request_id, None)
+
+    def load(self, model: FakeModel) -> dict[str, int]:
+        loaded = {}
+        for rid, (req, promised) in self.pending.items():
+            n = self.rng.randint(0, promised // self.block_size) * self.block_size
+            start = req.num_computed_tokens
+            slots = model.bm.slot_mapping(req, start, start + n)
+            for p, slot in zip(range(start, start + n), slots):
+                model.kv[slot] = (req.token_ids[p], p)
+            loaded[rid] = n
+            self.num_loaded += n
+        self.pending = {}
+        return loaded
+
+
 @dataclass
 class WorkloadResult:
     seed: int
@@ -93,6 +135,7 @@ class WorkloadResult:
     num_preemptions: int = 0
     num_forward_tokens: int = 0
     num_spec_accepted: int = 0
+    num_remote_tokens: int = 0
     params: dict = field(default_factory=dict)
 
 
@@ -107,7 +150,8 @@ def check_output(sched: Scheduler, out: SchedulerOutput, running_before: set[str
     preempted = {r.request_id for r in out.preempted_requests}
     assert not preempted & set(ids), "a preempted request was scheduled in the same step"
     if sched.has_requests():
-        assert out.scheduled_requests, "no progress: requests are waiting but nothing was scheduled"
+        # A step that only starts loads from a pool makes progress too: they run next step.
+        assert out.scheduled_requests or sched.loading, "no progress: requests are waiting but nothing was scheduled"
     if out.preempted_requests:
         assert all(r.request_id in running_before for r in out.scheduled_requests), \
             "a waiting request was admitted in a step that preempted"
@@ -127,7 +171,8 @@ def check_output(sched: Scheduler, out: SchedulerOutput, running_before: set[str
 
 def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, prefix_caching: bool = False,
                         chunked: bool = False, policy: str | None = None, spec: bool = True,
-                        max_steps: int = 5000, model_cls: type[FakeModel] = FakeModel) -> WorkloadResult:
+                        max_steps: int = 5000, model_cls: type[FakeModel] = FakeModel,
+                        remote: bool = False) -> WorkloadResult:
     """Drive one random workload to the end, asserting invariants after every step.
 
     ``make_scheduler(max_num_seqs=, max_num_batched_tokens=, num_gpu_blocks=, policy=,
@@ -136,6 +181,8 @@ def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, 
     prompt lengths (sharing prefixes, so the prefix cache hits), ``max_tokens``, priorities,
     ``ignore_eos``, aborts (between steps and between a schedule and its update), and draft
     tokens (right or wrong). ``model_cls`` runs each step (a :class:`FakeModel` or a subclass).
+    ``remote`` adds a :class:`FakeConnector`: admitted requests may load part of their prompt
+    from a pool first, and loads deliver random shares of what was promised.
     Returns counters; raises AssertionError on any violation.
     """
     rng = random.Random(seed)
@@ -159,10 +206,13 @@ def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, 
                   policy=policy, block_size=bs, block_manager=bm)
     if threshold is not None:
         kwargs["long_prefill_token_threshold"] = threshold
+    connector = FakeConnector(rng, bs, rng.choice([0.3, 0.8])) if remote else None
+    if connector is not None:
+        kwargs["kv_connector"] = connector
     sched = make_scheduler(**kwargs)
     model = model_cls(bm, vocab)
     res = WorkloadResult(seed, num_requests=num_requests,
-                         params=dict(kwargs, block_manager=type(bm).__name__, vocab=vocab))
+                         params=dict(kwargs, block_manager=type(bm).__name__, vocab=vocab, kv_connector=remote))
 
     bases = [[rng.randrange(1, vocab) for _ in range(max_prompt)] for _ in range(2)]
     arrivals: dict[int, list[Request]] = {}
@@ -185,6 +235,8 @@ def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, 
             sched.add_request(req)
         if sched.running and rng.random() < p_abort:
             res.num_aborted += sched.abort_request(rng.choice(list(sched.requests)))
+        if connector is not None:  # the engine loads what the pool promised, before the step
+            sched.finish_remote_loads(connector.load(model))
         for req in sched.running:  # the engine proposes drafts for decoding requests
             if rng.random() < p_draft and req.is_decoding:
                 truth = true_completion(req.token_ids, 4, vocab, ignore_eos=True)
@@ -204,6 +256,7 @@ def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, 
     res.num_steps = step
     res.num_preemptions = sched.num_preemptions
     res.num_forward_tokens = model.num_forward_tokens
+    res.num_remote_tokens = connector.num_loaded if connector is not None else 0
     assert bm.all_blocks_free(), f"seed {seed}: blocks still held at the end"
     for req in all_reqs:
         assert req.is_finished and not req.block_table, req

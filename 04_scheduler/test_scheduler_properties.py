@@ -56,3 +56,14 @@ def test_the_driver_catches_the_seed_livelock():
     with pytest.raises(AssertionError):
         for seed in SEEDS:
             run_random_workload(SeedScheduler, seed)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_random_workloads_loading_from_a_global_pool(policy):
+    """Admissions that park in WAITING_FOR_REMOTE_KVS, loads that deliver only part of what was
+    promised, aborts while loading: every request still ends with its true tokens, no block lost."""
+    results = [run_random_workload(Scheduler, seed, policy=policy, prefix_caching=True, remote=True)
+               for seed in SEEDS]
+    assert sum(r.num_remote_tokens for r in results) > 1000
+    assert sum(r.num_aborted for r in results) > 10
+    assert sum(r.num_preemptions for r in results) > 50

@@ -28,7 +28,7 @@ import torch
 
 from block_manager import BlockManager
 from kv_cache import build_slot_mapping
-from scheduler import Request, Scheduler, SchedulerOutput
+from scheduler import KVConnector, Request, Scheduler, SchedulerOutput
 from sequence import Sequence
 
 
@@ -49,8 +49,9 @@ class ChunkedPrefillScheduler(Scheduler):
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, num_gpu_blocks: int,
                  policy: str = "fcfs", block_size: int = 16, block_manager: BlockManager | None = None,
-                 long_prefill_token_threshold: int | None = None):
-        super().__init__(max_num_seqs, max_num_batched_tokens, num_gpu_blocks, policy, block_size, block_manager)
+                 long_prefill_token_threshold: int | None = None, kv_connector: KVConnector | None = None):
+        super().__init__(max_num_seqs, max_num_batched_tokens, num_gpu_blocks, policy, block_size, block_manager,
+                         kv_connector)
         if long_prefill_token_threshold is not None and long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}")
         self.long_prefill_token_threshold = long_prefill_token_threshold or None

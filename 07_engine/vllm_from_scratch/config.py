@@ -53,6 +53,66 @@ class SpeculativeConfig:
         return cls(**{**config, "model": None if config.get("model") is None else str(config["model"])})
 
 
+KV_CONNECTORS = ("mooncake", "embedded")
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """``kv_transfer_config``, checked once, with vLLM's keys: the engine's global KV pool.
+
+    ``kv_connector``: "mooncake" (the real Mooncake store: ``master_server_address`` "HOST:PORT"
+    and ``metadata_server`` "http://HOST:PORT/metadata" are required) or "embedded" (an
+    in-process pool: a second tier behind the local prefix cache, private to this process).
+    ``kv_role``: "kv_both" (load and publish), "kv_producer" (publish only: a prefill instance),
+    "kv_consumer" (load only: a decode instance). ``global_segment_size``: bytes this instance
+    lends the pool (Mooncake; 0 lends nothing: values then live in other instances' segments or
+    a ``mooncake_client``), or the embedded pool's capacity. ``protocol``: "tcp" or "rdma".
+    """
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    master_server_address: str | None = None
+    metadata_server: str | None = None
+    protocol: str = "tcp"
+    global_segment_size: int = 256 << 20
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "KVTransferConfig":
+        """Parse a user's dict; :class:`ParameterError` naming the key that is wrong."""
+        if not isinstance(config, dict):
+            raise ParameterError("kv_transfer_config", f"must be a dict or None, got {config!r}")
+        unknown = sorted(set(config) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ParameterError("kv_transfer_config", f"has unknown keys {unknown}")
+        if "kv_connector" not in config:
+            raise ParameterError("kv_transfer_config['kv_connector']", f"is required: one of {KV_CONNECTORS}")
+        parsed = cls(**config)
+        if parsed.kv_connector not in KV_CONNECTORS:
+            raise ParameterError("kv_transfer_config['kv_connector']",
+                                 f"must be one of {KV_CONNECTORS}, got {parsed.kv_connector!r}")
+        if parsed.kv_role not in KV_ROLES:
+            raise ParameterError("kv_transfer_config['kv_role']", f"must be one of {KV_ROLES}, got {parsed.kv_role!r}")
+        if parsed.protocol not in ("tcp", "rdma"):
+            raise ParameterError("kv_transfer_config['protocol']", f"must be 'tcp' or 'rdma', got {parsed.protocol!r}")
+        size = parsed.global_segment_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ParameterError("kv_transfer_config['global_segment_size']", f"must be an int >= 0, got {size!r}")
+        if parsed.kv_connector == "mooncake":
+            for key in ("master_server_address", "metadata_server"):
+                if not isinstance(getattr(parsed, key), str) or not getattr(parsed, key):
+                    raise ParameterError(f"kv_transfer_config['{key}']", "is required for the mooncake connector")
+        return parsed
+
+    @property
+    def loads(self) -> bool:
+        return self.kv_role in ("kv_both", "kv_consumer")
+
+    @property
+    def publishes(self) -> bool:
+        return self.kv_role in ("kv_both", "kv_producer")
+
+
 def resolve_device(device: str) -> torch.device:
     """``"auto"`` is CUDA when present, else CPU; anything else must name a usable device."""
     if not isinstance(device, (str, torch.device)):
@@ -176,12 +236,16 @@ class EngineConfig:
                                      "auto", choices=BACKENDS)
     speculative_config: dict | None = setting(
         'speculative decoding (chapter 05), e.g. {"method": "ngram", "num_speculative_tokens": 4}')
+    kv_transfer_config: dict | None = setting(
+        'the global KV pool (chapter 03) as a KV connector, e.g. {"kv_connector": "mooncake", "kv_role": '
+        '"kv_both", "master_server_address": "HOST:PORT", "metadata_server": "http://HOST:PORT/metadata"}')
     step_trace: str | None = setting("write one JSON line per engine step to this file (docs/step_trace.md); "
                                      "None: no trace, no cost")
     hf_config: object = field(default=None, init=False, repr=False)
     torch_dtype: torch.dtype = field(default=None, init=False, repr=False)
     torch_device: torch.device = field(default=None, init=False, repr=False)
     speculative: SpeculativeConfig | None = field(default=None, init=False, repr=False)
+    kv_transfer: KVTransferConfig | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         self.hf_config = load_config(self.model_dir)
@@ -216,6 +280,11 @@ class EngineConfig:
             self.kvcache_block_size = 256 if self._uses_flash_attn() else 16
         if self.speculative_config is not None:
             self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.kv_transfer_config is not None:
+            self.kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
+            if not self.enable_prefix_caching:
+                raise ParameterError("kv_transfer_config", "needs enable_prefix_caching: the pool's keys are the "
+                                     "prefix cache's block hashes")
 
     def _uses_flash_attn(self) -> bool:
         if self.torch_device.type != "cuda":

@@ -179,6 +179,7 @@ class LLMEngine:
                                       self.config.torch_device)
         num_blocks = self.executor.call("get_num_kvcache_blocks")
         self.block_manager = self._make_block_manager(num_blocks)
+        self.kv_connector = self._make_kv_connector()
         self.scheduler = self._make_scheduler()
         self.drafter = self._make_drafter(num_blocks)
         self.requests: dict[str, EngineRequest] = {}
@@ -203,11 +204,20 @@ class LLMEngine:
             return PrefixCachingBlockManager(num_blocks, self.config.kvcache_block_size)
         return BlockManager(num_blocks, self.config.kvcache_block_size)
 
+    def _make_kv_connector(self):
+        if self.config.kv_transfer is None:
+            return None
+        from vllm_from_scratch.kv_connector import KVConnectorScheduler
+
+        # Rank 0's runner lives in this process: its pool answers the scheduler's queries.
+        return KVConnectorScheduler(self.config.kv_transfer, self.block_manager, self.executor.runner.kv_worker)
+
     def _make_scheduler(self) -> Scheduler:
         cfg = self.config
         args = dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                     num_gpu_blocks=self.block_manager.num_blocks, policy=cfg.scheduling_policy,
-                    block_size=cfg.kvcache_block_size, block_manager=self.block_manager)
+                    block_size=cfg.kvcache_block_size, block_manager=self.block_manager,
+                    kv_connector=self.kv_connector)
         if not cfg.enable_chunked_prefill:
             return Scheduler(**args)
         from chunked_prefill import ChunkedPrefillScheduler
@@ -279,11 +289,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, fold the results back; outputs of requests that advanced."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self.kv_connector is not None:
+            self._load_remote_kv()
         if self.drafter is not None:
             self.drafter.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty():
             return outputs
+        if self.kv_connector is not None:
+            sched.kv_connector_metadata = self.kv_connector.build_connector_meta(sched)
         num_tokens_before = {r.request_id: r.num_tokens for r in sched.sampling_requests}
         sampled = self.executor.call("execute_model", sched)
         self.scheduler.update_from_output(sched, sampled)
@@ -293,6 +307,13 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.release(sched.finished_request_ids | {o.request_id for o in outputs if o.finished})
         return outputs
+
+    def _load_remote_kv(self) -> None:
+        """Bring in the K/V the pool promised at the last admissions, before this step's forward:
+        the requests then run with whatever arrived (the rest is computed)."""
+        loads = self.kv_connector.take_pending_loads()
+        if loads:
+            self.scheduler.finish_remote_loads(self.executor.call("load_kv", loads))
 
     def _process(self, req: EngineRequest, new_ids: list[int]) -> RequestOutput:
         """Detokenize ``req``'s new tokens, apply its stop strings, and report the step."""
@@ -347,8 +368,12 @@ class LLMEngine:
             "num_preemptions_total": s["num_preemptions"],
             "spec_decode_num_draft_tokens": s["num_draft_tokens"],
             "spec_decode_num_accepted_tokens": s["num_accepted_tokens"],
+            **({} if self.kv_connector is None else
+               {f"kv_pool_{k}": v for k, v in vars(self.kv_connector.stats).items()}),
         }
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers (a no-op for one rank)."""
+        """Stop tensor-parallel workers (a no-op for one rank) and close the KV pool."""
         self.executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.worker.close()

@@ -27,6 +27,7 @@ from spec_decode import num_accepted_tokens, pad_draft_token_ids, rejection_samp
 from triton_setup import HAS_TRITON
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.cuda_graph import CUDAGraphRunner
+from vllm_from_scratch.kv_connector import BlockTransfer, KVConnectorWorker
 from vllm_from_scratch.layers.attention import Attention, AttentionMetadata
 from vllm_from_scratch.layers.prepacked import prepack_model
 from vllm_from_scratch.loader import get_model
@@ -60,6 +61,7 @@ class ModelRunner:
             else rejection_sample
         self.kv_cache = None
         self.num_kvcache_blocks = self.allocate_kv_cache()
+        self.kv_worker = KVConnectorWorker(config, tp_rank, self.kv_cache) if config.kv_transfer else None
         self.graph_runner = self.capture_cudagraph() if self.device.type == "cuda" and not config.enforce_eager else None
 
     def capture_cudagraph(self) -> CUDAGraphRunner:
@@ -146,6 +148,8 @@ class ModelRunner:
         """
         info = SchedulerInfo.from_scheduler_output(scheduler_output)
         logits = self.compute_logits(build_batch_inputs(info, self.block_size, self.device))
+        if self.kv_worker is not None and scheduler_output.kv_connector_metadata is not None:
+            self.kv_worker.save(scheduler_output.kv_connector_metadata.saves)
         if logits is None or logits.shape[0] == 0:
             return {}
         sampling = SamplingTensors.from_requests(scheduler_output.scheduled_requests, info.num_sample_rows,
@@ -155,6 +159,16 @@ class ModelRunner:
         tokens = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
                               sampling.generators).tolist()
         return {rid: [t] for rid, t in zip(sampling.request_ids, tokens)}
+
+    def load_kv(self, transfers: list[BlockTransfer]) -> dict[str, int]:
+        """Load blocks from the global KV pool into this rank's cache; ``{request_id: tokens}``
+        that every rank loaded (under tensor parallelism, the fewest any rank got)."""
+        loaded = self.kv_worker.load(transfers)
+        if self.config.tensor_parallel_size > 1 and loaded:
+            counts = torch.tensor([loaded[t.request_id] for t in transfers], device=self.device)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=self.tp_group)
+            loaded = dict(zip(loaded, counts.tolist()))
+        return {rid: n * self.block_size for rid, n in loaded.items()}
 
     def verify_drafts(self, logits: torch.Tensor, sampling: SamplingTensors,
                       info: SchedulerInfo) -> dict[str, list[int]]:

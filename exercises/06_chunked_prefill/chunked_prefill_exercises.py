@@ -8,7 +8,7 @@ the chapter's own; see exercises/README.md for how your function is put in place
 from __future__ import annotations
 
 import torch
-from scheduler import Request, Scheduler, SchedulerOutput
+from scheduler import KVConnector, Request, Scheduler, SchedulerOutput
 from chunked_prefill import BatchInputs, SchedulerInfo
 
 
