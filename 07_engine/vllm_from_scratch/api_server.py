@@ -26,6 +26,7 @@ from vllm_from_scratch.openai_protocol import (APIError, ChatCompletionRequest, 
                                                error_body, now)
 from vllm_from_scratch.serving import OpenAIServing
 from vllm_from_scratch.streaming import ClientGone
+from vllm_from_scratch.viz_server import add_viz_routes
 
 
 def build_app(engine, served_model_name: str, tokenizer=None) -> FastAPI:
@@ -76,6 +77,7 @@ def build_app(engine, served_model_name: str, tokenizer=None) -> FastAPI:
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    add_viz_routes(app, engine)
     add_error_handlers(app)
     return app
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -35,6 +36,7 @@ from vllm_from_scratch.distributed import make_executor
 from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.model_runner import ModelRunner
 from vllm_from_scratch.sampling_params import SamplingParams, check_int
+from vllm_from_scratch.step_trace import StepTracer
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -187,6 +189,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.tracer = StepTracer(self, self.config.step_trace) if self.config.step_trace else None
 
     # ------------------------------------------------------------------ construction
     def _eos_token_ids(self) -> list[int]:
@@ -280,6 +283,8 @@ class LLMEngine:
         if req is None or not self.scheduler.abort_request(request_id):
             return False
         self._pending_outputs.append(self._finish(req, "abort", []))
+        if self.tracer is not None:
+            self.tracer.record_abort(req)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -288,6 +293,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, fold the results back; outputs of requests that advanced."""
+        start = time.perf_counter() if self.tracer is not None else 0.0
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.kv_connector is not None:
             self._load_remote_kv()
@@ -306,6 +312,8 @@ class LLMEngine:
                 outputs.append(self._process(req, req.token_ids[num_tokens_before[req.request_id]:]))
         if self.drafter is not None:
             self.drafter.release(sched.finished_request_ids | {o.request_id for o in outputs if o.finished})
+        if self.tracer is not None:
+            self.tracer.on_step(sched, sampled, outputs, start, time.perf_counter() - start)
         return outputs
 
     def _load_remote_kv(self) -> None:
@@ -374,6 +382,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (a no-op for one rank) and close the KV pool."""
+        if self.tracer is not None:
+            self.tracer.close()
         self.executor.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.worker.close()

@@ -1,0 +1,241 @@
+"""The classroom viewer: a step trace in, one self-contained HTML page out (and a Perfetto file).
+
+    python -m vllm_from_scratch.viz TRACE.jsonl -o TRACE.html
+    python -m vllm_from_scratch.viz TRACE.jsonl --chrome-trace TRACE.perfetto.json --check
+
+The page replays the trace step by step (play, pause, step, a scrubber, a timeline of the token
+budget): the physical block grid coloured by owner, shared blocks with their reference counts,
+cached-but-free blocks in eviction order, each request's block table, the queues, the budget
+split into prompt chunks and decodes, the text growing, and the moments that teach something
+(preemptions, evictions, prefix hits, pool loads, accepted drafts) called out as they happen.
+Everything is inlined (``viz_page.html``/``.css``/``.js`` beside this file): the page opens
+offline, from a file. The server's ``/viz`` serves the same page, fed live (:mod:`viz_server`).
+
+``--chrome-trace`` writes the Chrome trace-event format: one span per step, and per request its
+time queued, its prompt chunks, its decodes and its time preempted, which Perfetto
+(ui.perfetto.dev) or ``chrome://tracing`` draw on a timeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from vllm_from_scratch.step_trace import Record, TraceError, check_trace, read_trace
+
+
+# ---------------------------------------------------------------------------- the page
+def _asset(name: str) -> str:
+    return resources.files("vllm_from_scratch").joinpath(name).read_text(encoding="utf-8")
+
+
+def _script_json(value: Any) -> str:
+    """JSON that can sit inside a <script> element: ``<`` only occurs inside JSON strings, where
+    ``\\u003c`` means the same, so no ``</script>`` or ``<!--`` in the data can end the element."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")
+
+
+def render_page(config: dict, records: list[Record] | None = None) -> str:
+    """The viewer as one HTML string: its CSS and JS inlined, ``config`` (``mode`` "file" or
+    "live", ``source``, ``events``) and the trace's ``records`` (header first) embedded."""
+    trace = "\n".join(_script_json(r) for r in records or [])
+    page = _asset("viz_page.html")
+    for marker, value in (("/*VFS:CSS*/", _asset("viz_page.css")), ("/*VFS:JS*/", _asset("viz_page.js")),
+                          ("/*VFS:CONFIG*/", _script_json(config))):
+        page = page.replace(marker, value, 1)
+    return page.replace("/*VFS:TRACE*/", trace, 1)  # last: the trace may hold any text
+
+
+def write_page(trace_path: str | Path, out_path: str | Path, progress: bool = False) -> int:
+    """Validate ``trace_path`` (:class:`TraceError` names a bad line) and write the page;
+    returns the number of steps."""
+    header, records = read_trace(trace_path, progress=progress)
+    page = render_page({"mode": "file", "source": Path(trace_path).name}, [header, *records])
+    Path(out_path).write_text(page, encoding="utf-8")
+    return sum(r["type"] == "step" for r in records)
+
+
+# ---------------------------------------------------------------------------- Chrome trace events
+ENGINE_PID, REQUESTS_PID = 1, 2
+
+
+def chrome_trace(header: Record, records: list[Record]) -> dict:
+    """The run in Chrome's trace-event format (times in microseconds from the trace's start).
+
+    Process "engine": one span per step (its tokens in ``args``) and counters of the budget
+    split and the block pool. Process "requests": one thread per request, with the spans
+    ``queued`` (arrival to admission), ``prefill`` / ``decode`` / ``verify`` (consecutive steps of
+    the same work merged) and ``preempted`` (preemption to re-admission).
+    """
+    events: list[dict] = [_meta(ENGINE_PID, None, "process_name", "engine"),
+                          _meta(ENGINE_PID, 0, "thread_name", "steps"),
+                          _meta(REQUESTS_PID, None, "process_name", "requests")]
+    tracks = _RequestTracks(events)
+    for rec in records:
+        tracks.see(rec)
+        if rec["type"] != "step":
+            tracks.close(rec["t"])
+            continue
+        t, dur = _us(rec["t"]), _us(rec["duration"])
+        budget = rec["budget"]
+        events.append({"ph": "X", "pid": ENGINE_PID, "tid": 0, "name": f"step {rec['step']}", "ts": t, "dur": dur,
+                       "args": {**budget, "running": len(rec["running"]), "waiting": len(rec["waiting"])}})
+        events.append({"ph": "C", "pid": ENGINE_PID, "name": "tokens", "ts": t,
+                       "args": {k: budget[k] for k in ("prefill", "decode", "verify")}})
+        blocks = rec["blocks"]
+        events.append({"ph": "C", "pid": ENGINE_PID, "name": "blocks", "ts": t,
+                       "args": {"held": len(blocks["ref_counts"]), "cached_free": len(blocks["cached_free"]),
+                                "free": blocks["num_free"] - len(blocks["cached_free"])}})
+        tracks.step(rec, t, dur)
+    tracks.close(records[-1]["t"] + records[-1].get("duration", 0) if records else 0)
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "metadata": {"model": header["model"], "num_blocks": header["num_blocks"],
+                         "block_size": header["block_size"], "token_budget": header["token_budget"]}}
+
+
+def _us(seconds: float) -> int:
+    return int(round(seconds * 1e6))
+
+
+def _meta(pid: int, tid: int | None, name: str, value: str) -> dict:
+    event = {"ph": "M", "pid": pid, "name": name, "args": {"name": value}}
+    if tid is not None:
+        event["tid"] = tid
+    return event
+
+
+class _RequestTracks:
+    """Per-request spans, opened and closed as the records go by."""
+
+    def __init__(self, events: list[dict]):
+        self.events = events
+        self.tid: dict[str, int] = {}
+        self.open: dict[str, tuple[str, int, dict]] = {}  # rid -> (name, start µs, args)
+
+    def see(self, rec: Record) -> None:
+        for new in rec["new"]:
+            tid = self.tid.setdefault(new["id"], len(self.tid) + 1)
+            self.events.append(_meta(REQUESTS_PID, tid, "thread_name", new["id"]))
+            self._begin(new["id"], "queued", _us(max(new["arrival"], 0.0)), {"prompt_tokens": new["prompt_tokens"]})
+
+    def step(self, rec: Record, t: int, dur: int) -> None:
+        for rid in rec["preempted"]:
+            self._begin(rid, "preempted", t + dur, {})
+        for s in rec["scheduled"]:
+            name, start, args = self.open.get(s["id"], (None, t, {}))
+            if name != s["kind"]:
+                self._begin(s["id"], s["kind"], t, {"steps": 0, "tokens": 0})
+            _, _, args = self.open[s["id"]]
+            args["steps"] += 1
+            args["tokens"] += s["tokens"]
+            args["end"] = t + dur
+        for rid in [f["id"] for f in rec["finished"]] + rec["aborted"]:
+            self._end(rid, t + dur)
+            self.events.append({"ph": "i", "pid": REQUESTS_PID, "tid": self.tid.get(rid, 0), "s": "t",
+                                "name": "aborted" if rid in rec["aborted"] else "finished", "ts": t + dur})
+
+    def close(self, t_seconds: float) -> None:
+        for rid in list(self.open):
+            self._end(rid, _us(t_seconds))
+
+    def _begin(self, rid: str, name: str, ts: int, args: dict) -> None:
+        self._end(rid, ts)
+        self.open[rid] = (name, ts, args)
+
+    def _end(self, rid: str, ts: int) -> None:
+        if rid not in self.open:
+            return
+        name, start, args = self.open.pop(rid)
+        end = args.pop("end", ts) if name in ("prefill", "decode", "verify") else ts
+        self.events.append({"ph": "X", "pid": REQUESTS_PID, "tid": self.tid.get(rid, 0), "name": name,
+                            "ts": start, "dur": max(end - start, 0), "args": args})
+
+
+def write_chrome_trace(trace_path: str | Path, out_path: str | Path) -> None:
+    header, records = read_trace(trace_path)
+    Path(out_path).write_text(json.dumps(chrome_trace(header, records)), encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------- scenarios (the chapter demos)
+@dataclass
+class Arrival:
+    """One request of a scenario: a user message (rendered with the model's chat template,
+    after ``system`` when given), greedy for ``max_tokens``, added before engine step ``step``."""
+
+    text: str
+    max_tokens: int = 16
+    step: int = 0
+    system: str | None = None
+    priority: int = 0
+
+
+def trace_scenario(path: str | Path, arrivals: list[Arrival], model_dir: str | None = None,
+                   **engine_kwargs) -> dict[str, str]:
+    """Run ``arrivals`` through a fresh engine (the default model unless ``model_dir``) with the
+    step trace written to ``path``; returns each request's text by request id (``req-0``, ...
+    in the order of ``arrivals``). The chapter demos' ``--trace`` is this, with their scenario."""
+    from vllm_from_scratch.default_model import default_model_dir
+    from vllm_from_scratch.engine import LLMEngine
+    from vllm_from_scratch.sampling_params import SamplingParams
+
+    engine = LLMEngine(model_dir or default_model_dir(), step_trace=str(path), **engine_kwargs)
+    pending = sorted(enumerate(arrivals), key=lambda a: a[1].step)
+    texts: dict[str, str] = {}
+    step = 0
+    try:
+        while pending or engine.has_unfinished_requests():
+            while pending and pending[0][1].step <= step:
+                i, a = pending.pop(0)
+                messages = ([{"role": "system", "content": a.system}] if a.system else []) + \
+                    [{"role": "user", "content": a.text}]
+                prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=a.max_tokens),
+                                   request_id=f"req-{i}", priority=a.priority)
+            texts.update((o.request_id, o.text) for o in engine.step() if o.finished)
+            step += 1
+    finally:
+        engine.shutdown()
+    return texts
+
+
+# ---------------------------------------------------------------------------- the command line
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_from_scratch.viz",
+        description="Turn an engine step trace (EngineConfig.step_trace, --step-trace, or a chapter demo's "
+                    "--trace) into a self-contained HTML viewer, and optionally a Chrome/Perfetto trace.")
+    parser.add_argument("trace", help="the step trace: JSON lines, header first (docs/step_trace.md)")
+    parser.add_argument("-o", "--output", help="the HTML page to write (default: the trace's name with .html)")
+    parser.add_argument("--chrome-trace", metavar="OUT.json",
+                        help="also write Chrome's trace-event format (open it in ui.perfetto.dev)")
+    parser.add_argument("--check", action="store_true",
+                        help="also check the invariants (blocks, reference counts, lifecycles) on every step")
+    args = parser.parse_args(argv)
+    out = args.output or str(Path(args.trace).with_suffix(".html"))
+    try:
+        steps = write_page(args.trace, out, progress=True)
+        print(f"wrote {out}: {steps} steps")
+        if args.chrome_trace:
+            write_chrome_trace(args.trace, args.chrome_trace)
+            print(f"wrote {args.chrome_trace} (Chrome trace events: open it in ui.perfetto.dev)")
+        if args.check:
+            summary = check_trace(args.trace, require_end=False)
+            print(f"invariants hold on {summary.steps} steps, {len(summary.requests)} requests "
+                  f"({summary.preemptions} preemptions, {summary.evictions} evictions, "
+                  f"{summary.prefix_hit_tokens} prefix-hit tokens, {summary.accepted}/{summary.drafts} drafts accepted)")
+    except (TraceError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except AssertionError as exc:
+        print(f"error: invariant broken: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

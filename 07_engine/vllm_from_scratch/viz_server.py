@@ -1,0 +1,159 @@
+"""``/viz`` on the OpenAI server: the step-trace viewer, fed live while requests run.
+
+* ``GET /viz``         the viewer page of :mod:`viz` (self-contained), in live mode;
+* ``GET /viz/events``  server-sent events: ``event: header`` once, then one ``data:`` step
+  record per engine step, as the engine thread records it.
+
+Both sit behind the server's API key like every route but ``/health`` and ``/metrics`` (the
+key middleware of :mod:`api_server` guards every path not on its allow-list).
+
+**What the live page may show.** ``/viz`` exposes nothing about a request that ``/metrics``
+does not already expose about the engine: sizes and counts. So the stream carries the state of
+the scheduler and the KV cache (block ids, reference counts, queue order, priorities, token
+counts, drafts accepted) and never what a client wrote or read: no text, no token ids, and no
+request ids — each request gets a label (``r1``, ``r2``, ...) that lives only as long as the
+request, so one client cannot find another's request or tie it to an API call. A file trace
+(``--step-trace``) is written by whoever runs the engine and may hold the text.
+
+**What it costs.** The engine keeps one :class:`step_trace.StepTracer`; while no viewer is
+connected it has no sink and returns at once each step. A viewer that cannot keep up loses
+steps (a bounded queue per viewer), never slows the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, StreamingResponse
+
+from vllm_from_scratch.step_trace import Record, StepTracer
+from vllm_from_scratch.viz import render_page
+
+KEEPALIVE_S = 15.0
+QUEUE_SIZE = 512  # steps a slow viewer may lag behind before it loses some
+
+
+@dataclass(eq=False)
+class _Viewer:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class Redactor:
+    """A step record made fit for the live page: labels for request ids, no text, no tokens.
+
+    Used from the engine thread only (the tracer's sinks run there), so it needs no lock.
+    """
+
+    def __init__(self):
+        self._labels: dict[str, str] = {}
+        self._next = 1
+
+    def label(self, rid: str) -> str:
+        if rid not in self._labels:
+            self._labels[rid] = f"r{self._next}"
+            self._next += 1
+        return self._labels[rid]
+
+    def __call__(self, rec: Record) -> Record:
+        lab = self.label
+        out = {k: rec[k] for k in ("type", "schema", "step", "t", "duration", "budget", "loading", "blocks")
+               if k in rec}
+        out["loading"] = [lab(r) for r in rec["loading"]]
+        out["new"] = [{**n, "id": lab(n["id"])} for n in rec["new"]]
+        out["scheduled"] = [{k: v for k, v in s.items() if k != "sampled"} | {"id": lab(s["id"])}
+                            for s in rec.get("scheduled", [])]
+        for key in ("admitted", "preempted", "aborted"):
+            out[key] = [lab(r) for r in rec.get(key, [])]
+        out["prefix_hits"] = {lab(r): n for r, n in rec.get("prefix_hits", {}).items()}
+        out["finished"] = [{"id": lab(f["id"]), "reason": f["reason"], "completion_tokens": f["completion_tokens"]}
+                           for f in rec.get("finished", [])]
+        out["waiting"] = [{**w, "id": lab(w["id"])} for w in rec["waiting"]]
+        out["running"] = [{**r, "id": lab(r["id"])} for r in rec["running"]]
+        out["requests"] = {lab(r): v for r, v in rec["requests"].items()}
+        if "pool" in rec:
+            pool = rec["pool"]
+            out["pool"] = {"loaded": {lab(r): n for r, n in pool["loaded"].items()},
+                           "published": {lab(r): n for r, n in pool["published"].items()}, "totals": pool["totals"]}
+        for rid in [f["id"] for f in rec.get("finished", [])] + rec.get("aborted", []):
+            self._labels.pop(rid, None)  # the label dies with the request
+        return out
+
+
+class LiveTrace:
+    """Fans the engine's step records out to the connected viewers.
+
+    The tracer gets this hub's sink only while at least one viewer is connected.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        if getattr(engine, "tracer", None) is None:
+            engine.tracer = StepTracer(engine)  # before the engine loop starts: no race
+        self.tracer: StepTracer = engine.tracer
+        self._viewers: tuple[_Viewer, ...] = ()
+        self._redact = Redactor()
+
+    def header(self) -> Record:
+        return {**self.tracer.header(), "redacted": True}
+
+    def _on_record(self, record: Record) -> None:
+        """The tracer's sink, on the engine thread: redact and serialize once, post to all."""
+        text = json.dumps(self._redact(record), separators=(",", ":"))
+        for viewer in self._viewers:
+            try:
+                viewer.loop.call_soon_threadsafe(_offer, viewer.queue, text)
+            except RuntimeError:
+                pass  # that viewer's event loop is closed
+
+    def _join(self, viewer: _Viewer) -> None:
+        if not self._viewers:
+            self._redact = Redactor()
+            self.tracer.add_sink(self._on_record)
+        self._viewers = (*self._viewers, viewer)
+
+    def _leave(self, viewer: _Viewer) -> None:
+        self._viewers = tuple(v for v in self._viewers if v is not viewer)
+        if not self._viewers:
+            self.tracer.remove_sink(self._on_record)
+
+    async def events(self, request: Request) -> AsyncIterator[str]:
+        """One viewer's SSE stream: the header, then every step until it disconnects."""
+        viewer = _Viewer(asyncio.get_running_loop(), asyncio.Queue(QUEUE_SIZE))
+        self._join(viewer)
+        try:
+            yield f"event: header\ndata: {json.dumps(self.header(), separators=(',', ':'))}\n\n"
+            while not await request.is_disconnected():
+                try:
+                    text = await asyncio.wait_for(viewer.queue.get(), KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    yield ": keep-alive\n\n"
+                    continue
+                yield f"data: {text}\n\n"
+        finally:
+            self._leave(viewer)
+
+
+def _offer(queue: asyncio.Queue, text: str) -> None:
+    if not queue.full():
+        queue.put_nowait(text)
+
+
+def add_viz_routes(app: FastAPI, engine) -> None:
+    """Serve the viewer at ``/viz`` and the live step records at ``/viz/events`` for ``engine``."""
+    live = LiveTrace(engine)
+    page = render_page({"mode": "live", "source": "live", "events": "viz/events"})
+    app.state.viz = live
+
+    @app.get("/viz", response_class=HTMLResponse, include_in_schema=False)
+    async def viz_page() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    @app.get("/viz/events", include_in_schema=False)
+    async def viz_events(request: Request) -> StreamingResponse:
+        return StreamingResponse(live.events(request), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
