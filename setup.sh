@@ -27,6 +27,17 @@ if ! command -v c++ >/dev/null; then
   fi
 fi
 
+# The step-trace viewer's browser tests (07_engine/test_viz_browser.py) drive Debian's headless
+# Chromium through Playwright (requirements.txt); Playwright's own browser download is not used.
+# Without it those tests skip with the reason, except in CI, where they fail.
+if ! command -v chromium-headless-shell >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq chromium-headless-shell >/dev/null
+  else
+    echo "note: chromium-headless-shell missing and not installable here; the browser tests will skip" >&2
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -r requirements.txt

@@ -32,6 +32,7 @@ def test_off_by_default_and_the_engine_only_checks_for_a_tracer(tiny_llama_dir):
     assert llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)[0]["token_ids"]
 
 
+@pytest.mark.slow  # makes the session's real-model trace (a few seconds)
 def test_the_default_models_trace_holds_every_invariant_and_shows_every_idea():
     path, texts = teaching_trace()
     summary = check_trace(path)

@@ -115,7 +115,7 @@
   function finishIndexing() {
     status(S.index.length ? "" : "the trace has a header but no step yet");
     updateScrub(); scheduleDraw();
-    if (S.cur >= 0) render(S.cur);
+    if (S.index.length) seek(Math.max(S.cur, 0));
     document.body.dataset.ready = "1";
   }
 
