@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from block_manager import BlockManager
+from block_manager import BlockManager, cdiv
 from prefill_first import PrefillFirstScheduler
 from scheduler import Request, Scheduler
 from scheduler_testing import FakeModel, true_completion
@@ -46,7 +46,7 @@ def main(argv=None) -> None:
           f"budget {args.max_num_batched_tokens} tokens, max_num_seqs {args.max_num_seqs}")
     for r in reqs:
         print(f"  {r.request_id}: prompt {r.num_prompt_tokens} tokens, max_tokens {r.max_tokens}, "
-              f"priority {r.priority}, needs up to {-(-r.max_num_kv_tokens // bs)} blocks")
+              f"priority {r.priority}, needs up to {cdiv(r.max_num_kv_tokens, bs)} blocks")
     arrivals = {0: reqs[:2], 1: reqs[2:3], 2: reqs[3:]}
     print(f"\n{'step':>4} | {'batch (id:tokens, * samples)':<34} | {'preempted':<9} | free | waiting / running")
     step = 0

@@ -18,7 +18,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from block_manager import BlockManager
+from block_manager import BlockManager, cdiv
 from scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
 EOS = 0
@@ -192,7 +192,7 @@ def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, 
     max_prompt = rng.randint(1, 40)
     max_out = rng.randint(1, 24)
     longest = max_prompt + max_out - 1
-    num_blocks = -(-longest // bs) + rng.choice([0, 0, 1, 3, 8, 30])
+    num_blocks = cdiv(longest, bs) + rng.choice([0, 0, 1, 3, 8, 30])
     budget = rng.randint(1, 3 * longest) if chunked else rng.randint(longest, 3 * longest)
     threshold = rng.choice([None, None, rng.randint(1, 16)]) if chunked else None
     max_num_seqs = rng.randint(1, 6)

@@ -28,6 +28,7 @@ from collections import defaultdict
 import torch
 from tqdm.auto import tqdm
 
+from block_manager import cdiv
 from vllm_from_scratch import default_model_dir
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.layers.attention import AttentionMetadata
@@ -76,7 +77,7 @@ class Batches:
 
     def _batch(self, q_lens: list[int], k_lens: list[int]):
         bs = self.block_size
-        width = -(-max(k_lens) // bs)
+        width = cdiv(max(k_lens), bs)
         if width * len(q_lens) > self.runner.num_kvcache_blocks:
             raise SystemExit(f"the KV cache holds {self.runner.num_kvcache_blocks} blocks, the batch needs "
                              f"{width * len(q_lens)}: lower --context-len or the batch size")

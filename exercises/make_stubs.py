@@ -1,7 +1,7 @@
 """Write the starter stub of every exercise in the registries, from the reference's own source.
 
 Each stub keeps the reference's ``def`` line exactly (names, defaults, annotations) and its
-docstring, plus the registry's hint, and raises ``NotImplementedError("Exercise 01.2: implement
+docstring, plus the registry's hint, and raises ``NotImplementedError("Exercise 01.1: implement
 BlockManager.allocate_slots — see 01_paged_kv/README.md#exercises")``. One stub file per
 reference module, beside the chapter's ``exercises.toml``, importing what the reference module
 imports so the signature's defaults and any helper the hint names are at hand.

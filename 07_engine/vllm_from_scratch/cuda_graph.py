@@ -41,6 +41,7 @@ from collections.abc import Callable
 
 import torch
 
+from block_manager import cdiv
 from vllm_from_scratch.layers.attention import AttentionMetadata
 
 MAX_CAPTURE_SIZE = 512
@@ -93,7 +94,7 @@ class CUDAGraphRunner:
         self.batch_sizes = capture_batch_sizes(max_num_seqs)
         self.max_bs = self.batch_sizes[-1]
         self.max_model_len = max_model_len
-        self.max_num_blocks = -(-max_model_len // block_size)
+        self.max_num_blocks = cdiv(max_model_len, block_size)
         kw = dict(device=device)
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.long, **kw)
         self.positions = torch.zeros(self.max_bs, dtype=torch.long, **kw)

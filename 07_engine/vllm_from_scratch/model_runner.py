@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from block_manager import cdiv
 from chunked_prefill import BatchInputs, SchedulerInfo, build_batch_inputs
 from kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
 from rejection_sampler_triton import rejection_sample_triton
@@ -94,7 +95,7 @@ class ModelRunner:
         num = num_blocks_for_budget(max(budget, 0), len(self.attn_layers), self.block_size, layer.num_kv_heads,
                                     layer.head_dim, cfg.torch_dtype)
         # More blocks than max_num_seqs full-length requests can ever hold would be wasted memory.
-        cap = cfg.max_num_seqs * -(-cfg.max_model_len // self.block_size)
+        cap = cfg.max_num_seqs * cdiv(cfg.max_model_len, self.block_size)
         return min(num, cap)
 
     def allocate_kv_cache(self) -> int:

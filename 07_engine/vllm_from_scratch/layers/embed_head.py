@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from block_manager import cdiv
 from vllm_from_scratch.distributed import gather_to_first_rank
 from vllm_from_scratch.layers.linear import _check_tp
 from vllm_from_scratch.layers.prepacked import PrepackableWeight
@@ -26,7 +27,7 @@ class VocabParallelEmbedding(nn.Module):
         _check_tp(tp_rank, tp_size)
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
         self.num_embeddings = num_embeddings
-        self.num_embeddings_per_partition = -(-num_embeddings // tp_size)
+        self.num_embeddings_per_partition = cdiv(num_embeddings, tp_size)
         self.vocab_start_idx = self.num_embeddings_per_partition * tp_rank
         self.vocab_end_idx = min(self.vocab_start_idx + self.num_embeddings_per_partition, num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
