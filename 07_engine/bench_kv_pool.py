@@ -82,6 +82,49 @@ def workload(vocab: int, args) -> tuple[list[int], list[list[int]]]:
     return system, prompts
 
 
+def serve_args(model: str, args, pool: dict | None) -> list[str]:
+    argv = ["vllm_from_scratch.serve", model, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+            "--block-size", str(args.block_size), "--log-level", "warning"]
+    return argv + (["--kv-transfer-config", json.dumps(pool)] if pool else [])
+
+
+def load_test(url: str, args, out: Path) -> dict:
+    """07_engine/load_generator.py (``vllm bench serve``'s measurements) against ``url``."""
+    cmd = [sys.executable, str(HERE / "load_generator.py"), "--base-url", url, "--num-requests", str(args.pd_requests),
+           "--request-rate", str(args.pd_rate), "--input-len", args.pd_input_len, "--output-len", args.pd_output_len,
+           "--seed", str(args.seed), "--quiet", "--result-json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"load generator failed:\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())["summary"]
+
+
+def prefill_decode(model: str, args, master, tmp: Path) -> dict:
+    """The same load against one instance on both cores, and against a prefill instance and a
+    decode instance (one core each) behind the proxy."""
+    from server_testing import ServerProcess
+
+    pool = {"kv_connector": "mooncake", "master_server_address": master.master_addr,
+            "metadata_server": master.metadata_url, "global_segment_size": 0}
+    results = {}
+    with ServerProcess(serve_args(model, args, None), env={"OMP_NUM_THREADS": "2"}) as single:
+        results["one instance (2 cores)"] = load_test(single.url, args, tmp / "single.json")
+    one_core = {"OMP_NUM_THREADS": "1"}
+    with ServerProcess(serve_args(model, args, {**pool, "kv_role": "kv_producer"}), env=one_core) as prefill, \
+            ServerProcess(serve_args(model, args, {**pool, "kv_role": "kv_consumer"}), env=one_core) as decode, \
+            ServerProcess(["vllm_from_scratch.disagg_proxy", "--prefill", prefill.url, "--decode", decode.url,
+                           "--log-level", "warning"]) as proxy:
+        results["prefill + decode (1 core each)"] = load_test(proxy.url, args, tmp / "pd.json")
+    print(f"\nP/D: {args.pd_requests} requests at {args.pd_rate}/s, prompts {args.pd_input_len} tokens, "
+          f"{args.pd_output_len} new")
+    print("| setup | TTFT mean ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['mean_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | {r['median_itl_ms']:.0f} | "
+              f"{r['p99_itl_ms']:.0f} | {r['output_throughput']:.1f} |")
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2)")
@@ -93,6 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-size", type=int, default=16, help="KV block size of every instance")
+    parser.add_argument("--pd", action="store_true", help="also measure prefill/decode disaggregation (servers)")
+    parser.add_argument("--pd-requests", type=int, default=24)
+    parser.add_argument("--pd-rate", type=float, default=1.0, help="requests per second")
+    parser.add_argument("--pd-input-len", default="256:768", help="prompt tokens, N or LOW:HIGH")
+    parser.add_argument("--pd-output-len", default="32:64", help="new tokens, N or LOW:HIGH")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--instance", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -122,6 +170,11 @@ def main(argv: list[str] | None = None) -> None:
                                  "pool": {**pool, "kv_role": "kv_producer"}})
         producer_s = time.perf_counter() - t0
         consumer = run_instance({**base, "prompts": prompts, "pool": {**pool, "kv_role": "kv_consumer"}})
+        if args.pd:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as tmp:
+                pd = prefill_decode(model, args, master, Path(tmp))
     same = cold["outputs"] == consumer["outputs"]
     print("\n| instance | TTFT mean s | TTFT p99 s | their prefill s | prompt tokens computed | loaded from the pool |")
     print("|---|---|---|---|---|---|")
@@ -144,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
               "cold": {k: v for k, v in cold.items() if k != "outputs"},
               "consumer": {k: v for k, v in consumer.items() if k != "outputs"},
               "producer": producer["pool"], "outputs_identical": same}
+    if args.pd:
+        report["prefill_decode"] = pd
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")

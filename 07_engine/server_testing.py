@@ -29,19 +29,21 @@ class ServerProcess:
     Args:
         args: arguments after ``python -m`` (the module first).
         startup_timeout_s: how long to wait for ``/health``.
+        env: extra environment variables (e.g. ``OMP_NUM_THREADS``).
     """
 
-    def __init__(self, args: list[str], startup_timeout_s: float = 240.0):
+    def __init__(self, args: list[str], startup_timeout_s: float = 240.0, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", *args, "--port", str(self.port)]
         self.startup_timeout_s = startup_timeout_s
+        self.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.log = tempfile.TemporaryFile(mode="w+")
 
     def start(self) -> "ServerProcess":
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                                     env=self.env)
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if self.proc.poll() is not None:
