@@ -9,15 +9,22 @@ for three samples and gets one has a bug it cannot see.
 
 Like vLLM, the knobs OpenAI lacks (``top_k``, ``ignore_eos``, ``stop_token_ids``, ``priority``)
 travel as extra fields of the JSON body (the openai client sends them with ``extra_body=``).
+
+Validation runs on the event loop that streams every client's tokens, in one call that holds
+the GIL, so a bad body must be cheap to refuse: every list stops at its first bad item
+(:data:`FirstErrorList`), and free-form fields the engine refuses anyway (``logit_bias``) are
+not validated item by item.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.types import FailFast
+from typing_extensions import TypeAliasType
 
 
 class APIError(Exception):
@@ -54,6 +61,15 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+T = TypeVar("T")
+
+# A list whose validation stops at its first bad item. pydantic otherwise reports every item's
+# error, and in a union every branch's: 150,000 bad numbers in a 600 KB "prompt" cost 1.3 s of
+# event loop and 440,000 errors, against 0.4 ms and 4 errors this way. (A type alias, because
+# FailFast cannot be hashed into a Union directly.)
+FirstErrorList = TypeAliasType("FirstErrorList", Annotated[list[T], FailFast()], type_params=(T,))
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -66,19 +82,19 @@ class _SamplingFields(BaseModel):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: str | FirstErrorList[str] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Any] | None = None  # refused whatever it holds
     user: str | None = None
     # vLLM's extra body fields.
     top_k: int | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: FirstErrorList[int] | None = None
     priority: int = 0  # lower first, with the server's --scheduling-policy priority
 
     def check_supported(self) -> None:
@@ -130,7 +146,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: a prompt (text or token ids, one or a batch) to continue."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | FirstErrorList[int] | FirstErrorList[str] | FirstErrorList[FirstErrorList[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -164,7 +180,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | FirstErrorList[dict[str, Any]] | None = None
 
     def text(self) -> str:
         """The message's text; content parts other than text are refused."""
@@ -184,12 +200,12 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: FirstErrorList[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: FirstErrorList[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
