@@ -17,7 +17,9 @@ The random workload (default) sends token-id prompts to ``/v1/completions`` with
 from ``--input-len`` and ``--output-len`` ranges and ``ignore_eos``, so every request does
 exactly the work it asks for. ``--dataset FILE`` replays a fixed prompt set instead (one prompt
 per line, or JSON lines with a ``"prompt"`` field). Only loopback servers are accepted: this is
-a measuring tool for your own machine, not a load tester for other people's.
+a measuring tool for your own machine, not a load tester for other people's. A server started
+with ``--api-key`` needs the same key here (``--api-key``, or ``OPENAI_API_KEY`` as
+``vllm bench serve`` reads it).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import asyncio
 import ipaddress
 import json
+import os
 import random
 import socket
 import statistics
@@ -165,7 +168,8 @@ async def run_benchmark(args, items: list[WorkItem], model: str) -> tuple[list[R
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.max_duration + 60)
     gate = asyncio.Semaphore(args.max_concurrency or len(items) or 1)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False,
+                                 headers=auth_headers(args.api_key)) as client:
         if args.warmup:
             warm = await send_request(client, url, build_payload(WorkItem(items[0].prompt, 2), args.endpoint, model, args))
             if not warm.ok:
@@ -257,8 +261,13 @@ def format_report(s: dict) -> str:
     return "\n".join(lines)
 
 
-def served_model(base_url: str) -> str:
-    resp = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30, trust_env=False)
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def served_model(base_url: str, api_key: str | None = None) -> str:
+    resp = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30, trust_env=False,
+                     headers=auth_headers(api_key))
     resp.raise_for_status()
     return resp.json()["data"][0]["id"]
 
@@ -268,6 +277,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (loopback only)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--model", default=None, help="model name to request (default: the server's)")
+    p.add_argument("--api-key", default=None,
+                   help="bearer token for a server started with --api-key (default: $OPENAI_API_KEY)")
     p.add_argument("--dataset", default="random", help="'random' or a prompt file (lines or JSON lines)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory for random prompts (default: the embedded default model)")
@@ -288,6 +299,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--result-json", default=None, help="also write the summary here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     if args.num_requests < 1:
         p.error("--num-requests must be >= 1")
     if args.request_rate <= 0:
@@ -298,7 +310,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     check_loopback(args.base_url)
-    model = args.model or served_model(args.base_url)
+    model = args.model or served_model(args.base_url, args.api_key)
     if args.dataset == "random":
         from vllm_from_scratch.default_model import default_model_dir
 
@@ -311,7 +323,8 @@ def main(argv=None) -> dict:
     summary = summarize(results, duration)
     print(format_report(summary))
     if args.result_json:
-        Path(args.result_json).write_text(json.dumps({"args": vars(args),
+        settings = {k: v for k, v in vars(args).items() if k != "api_key"}  # no secret in the file
+        Path(args.result_json).write_text(json.dumps({"args": settings,
                                                       "summary": summary,
                                                       "results": [asdict(r) for r in results]}, indent=1))
     return summary

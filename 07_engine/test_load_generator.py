@@ -9,9 +9,10 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
-from test_server_protocol import ScriptedEngine
+from test_server_protocol import KEY, ScriptedEngine
 from transformers import AutoTokenizer
 
 import load_generator as lg
@@ -78,7 +79,7 @@ def scripted_server():
     engine = ScriptedEngine(AutoTokenizer.from_pretrained(default_model_dir()))
     engine.step_delay = 0.002
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "scripted"), host="127.0.0.1",
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, "scripted", api_key=KEY), host="127.0.0.1",
                                            port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -94,7 +95,7 @@ def scripted_server():
 @pytest.mark.parametrize("rate", ["inf", "50"])
 def test_run_against_a_live_server(scripted_server, rate, capsys):
     url, engine = scripted_server
-    summary = lg.main(["--base-url", url, "--num-requests", "12", "--request-rate", rate,
+    summary = lg.main(["--base-url", url, "--api-key", KEY, "--num-requests", "12", "--request-rate", rate,
                        "--input-len", "4:8", "--output-len", "3:6", "--quiet", "--seed", "3"])
     items = lg.random_workload(default_model_dir(), 12, (4, 8), (3, 6), seed=3)
     assert summary["successful_requests"] == 12 and summary["failed_requests"] == 0
@@ -110,7 +111,7 @@ def test_max_duration_bounds_the_run(scripted_server):
     engine.step_delay = 0.05
     try:
         start = time.perf_counter()
-        summary = lg.main(["--base-url", url, "--num-requests", "4", "--input-len", "4",
+        summary = lg.main(["--base-url", url, "--api-key", KEY, "--num-requests", "4", "--input-len", "4",
                            "--output-len", "60", "--max-duration", "0.5", "--quiet", "--no-warmup"])
         assert time.perf_counter() - start < 5
         assert summary["failed_requests"] == 4
@@ -122,6 +123,18 @@ def test_max_duration_bounds_the_run(scripted_server):
         assert not engine.requests
     finally:
         engine.step_delay = 0.002
+
+
+def test_api_key_from_the_flag_or_openai_api_key(scripted_server, monkeypatch, tmp_path):
+    url, _ = scripted_server
+    argv = ["--base-url", url, "--num-requests", "2", "--input-len", "4", "--output-len", "2", "--quiet",
+            "--result-json", str(tmp_path / "result.json")]
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)  # what `vllm bench serve` reads
+    assert lg.main(argv)["successful_requests"] == 2
+    assert KEY not in (tmp_path / "result.json").read_text()
+    monkeypatch.delenv("OPENAI_API_KEY")
+    with pytest.raises(httpx.HTTPStatusError, match="401"):
+        lg.main(argv)
 
 
 def test_help_runs():

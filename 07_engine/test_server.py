@@ -25,6 +25,8 @@ pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_MODEL_LEN = 512
+KEY = "test-server-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def free_port() -> int:
@@ -40,8 +42,9 @@ def base_url():
     cmd = [sys.executable, "-m", "vllm_from_scratch.serve", "--port", str(port),
            "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
            "--num-kvcache-blocks", "160", "--log-level", "warning"]
+    # The key through the environment, as a teacher would pass it (not in the process list).
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_API_KEY": KEY})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 180
@@ -70,7 +73,7 @@ def base_url():
 
 @pytest.fixture(scope="module")
 def client(base_url):
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="EMPTY", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 def metric(base_url: str, name: str, labels: str = f'model_name="{MODEL}"') -> float:
@@ -128,7 +131,7 @@ def test_stop_string_ends_the_answer(client):
 
 def test_dozens_of_concurrent_requests_are_all_answered(base_url):
     async def run():
-        aclient = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="EMPTY", max_retries=0, timeout=120)
+        aclient = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
         async with aclient:
             return await asyncio.gather(*[
                 aclient.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=4,
@@ -156,7 +159,7 @@ def test_bad_inputs_get_4xx_and_the_server_keeps_serving(client, base_url):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_prompt}])
     raw = httpx.post(base_url + "/v1/chat/completions", content=b'{"messages": [',
-                     headers={"content-type": "application/json"})
+                     headers={"content-type": "application/json", **AUTH})
     assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(base_url + "/health").status_code == 200
     ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
@@ -167,7 +170,7 @@ def test_disconnect_mid_stream_aborts_and_frees(base_url):
     aborted_before = _abort_count(base_url)
     body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
             "stream": True}
-    with httpx.Client(timeout=60) as http:
+    with httpx.Client(timeout=60, headers=AUTH) as http:
         with http.stream("POST", base_url + "/v1/completions", json=body) as resp:
             received = []
             for line in resp.iter_lines():
@@ -190,7 +193,7 @@ def test_client_timeout_on_a_non_streamed_request_aborts_it(base_url):
     aborted_before = _abort_count(base_url)
     body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base_url + "/v1/completions", json=body, timeout=1.5)
+        httpx.post(base_url + "/v1/completions", json=body, timeout=1.5, headers=AUTH)
     deadline = time.time() + 20
     while time.time() < deadline and metric(base_url, "vllm:num_requests_running") != 0:
         time.sleep(0.1)
@@ -221,13 +224,48 @@ def test_metrics_after_traffic(client, base_url):
 def test_load_generator_against_the_server(base_url):
     out = subprocess.run([sys.executable, str(Path(__file__).parent / "load_generator.py"), "--base-url", base_url,
                           "--num-requests", "6", "--request-rate", "inf", "--input-len", "16:32",
-                          "--output-len", "4", "--quiet"], capture_output=True, text=True, timeout=120)
+                          "--output-len", "4", "--quiet"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OPENAI_API_KEY": KEY})
     assert out.returncode == 0, out.stderr[-2000:]
     assert re.search(r"Successful requests:\s+6\b", out.stdout), out.stdout
     assert re.search(r"Total generated tokens:\s+24\b", out.stdout), out.stdout
 
 
+def test_the_key_guards_the_api_but_not_the_probes(base_url):
+    stranger = openai.OpenAI(base_url=base_url + "/v1", api_key="EMPTY", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError) as info:
+        stranger.models.list()
+    assert info.value.body == {"message": "Unauthorized", "type": "invalid_request_error", "param": None,
+                               "code": "invalid_api_key"}
+    with pytest.raises(openai.AuthenticationError):
+        stranger.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert httpx.get(base_url + "/health").status_code == 200
+    assert httpx.get(base_url + "/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", b'{"prompt": "hi", "seed": 123456789012345678901234567890}', "seed"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+     "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "priority": 9223372036854775808}', "priority"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 100000000000000000000}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": "hi", "top_k": -5}', "top_k"),
+])
+def test_bad_values_name_their_parameter_on_the_real_engine(base_url, path, raw, param):
+    resp = httpx.post(base_url + path, content=raw, headers={"content-type": "application/json", **AUTH})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+
+
+def test_an_oversize_body_gets_a_413_and_the_server_keeps_serving(client):
+    with pytest.raises(openai.APIStatusError) as info:  # the default limit for 512 tokens: 128 KiB
+        client.completions.create(model=MODEL, prompt="x" * 200_000, max_tokens=2)
+    assert info.value.status_code == 413
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
 def test_serve_help():
     out = subprocess.run([sys.executable, "-m", "vllm_from_scratch.serve", "--help"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and "--max-num-seqs" in out.stdout
+    assert out.returncode == 0
+    assert all(flag in out.stdout for flag in ("--max-num-seqs", "--api-key", "--max-request-bytes"))

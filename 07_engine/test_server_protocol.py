@@ -8,21 +8,29 @@ each assertion checks an exact value.
 
 import asyncio
 import json
+import os
+import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
 from transformers import AutoTokenizer
 
+from vllm_from_scratch import serve
 from vllm_from_scratch.async_llm import AsyncLLM
 from vllm_from_scratch.default_model import default_model_dir
-from vllm_from_scratch.api_server import build_app
+from vllm_from_scratch.api_server import build_app, default_max_request_bytes
 from vllm_from_scratch.engine import RequestOutput, encode_prompt, resolve_max_tokens
+from vllm_from_scratch.sampling_params import check_int
 from vllm_from_scratch.streaming import stream_events
 
 MODEL = "scripted"
 CRASH_TOKEN = 7  # a prompt containing this token id makes step() raise
+KEY = "a-class-key"
+JSON = {"content-type": "application/json"}
 
 
 class ScriptedEngine:
@@ -30,6 +38,7 @@ class ScriptedEngine:
 
     max_model_len = 64
     vocab_size = 49152
+    config = SimpleNamespace(vocab_size=vocab_size)
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -42,6 +51,7 @@ class ScriptedEngine:
 
     def add_request(self, prompt, params, request_id=None, priority=0, fit_max_tokens=True):
         # The engine's own checks, so the server's error mapping is tested against the real rules.
+        check_int("priority", priority, -(2**63))
         prompt = encode_prompt(None, prompt, self.vocab_size, self.max_model_len)
         max_tokens = resolve_max_tokens(params.max_tokens, len(prompt), self.max_model_len, fit_max_tokens)
         self.requests[request_id] = dict(prompt=prompt, params=params, max_tokens=max_tokens, out=[])
@@ -333,6 +343,186 @@ def test_many_concurrent_requests_share_the_loop(client):
     for t in threads:
         t.join(30)
     assert all(r["usage"]["completion_tokens"] == 4 for r in results)
+
+
+# ---- a server a class can share: the API key ------------------------------------------------
+
+
+@pytest.fixture
+def keyed(engine):
+    with TestClient(build_app(engine, MODEL, api_key=KEY)) as c:
+        yield c
+
+
+def test_api_key_guards_every_path_but_health_and_metrics(keyed):
+    for path in ("/v1/models", "/v1/nothing", "/viz", "/viz/events", "/docs", "/openapi.json", "/health/"):
+        resp = keyed.get(path, headers={"Authorization": "Bearer guess"})
+        err = assert_error(resp, 401, code="invalid_api_key")
+        assert err == {"message": "Unauthorized", "type": "invalid_request_error", "param": None,
+                       "code": "invalid_api_key"}
+        assert resp.headers["www-authenticate"] == "Bearer"
+        assert "guess" not in resp.text
+    assert keyed.get("/health").status_code == 200
+    assert keyed.get("/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", f"Basic {KEY}", KEY, f"Bearer {KEY}x",
+                                           f"Bearer {KEY[:-1]}", "Bearer ", f"Bearer  {KEY}"])
+def test_a_missing_or_wrong_key_is_refused(keyed, engine, authorization):
+    headers = {"Authorization": authorization} if authorization is not None else {}
+    resp = keyed.post("/v1/completions", json={"prompt": [10], "max_tokens": 1}, headers=headers)
+    assert_error(resp, 401, code="invalid_api_key")
+    assert not engine.priorities, "nothing reached the engine"
+
+
+def test_the_right_key_is_served(keyed):
+    for scheme in ("Bearer", "bearer"):
+        resp = keyed.post("/v1/completions", json={"prompt": [10], "max_tokens": 1},
+                          headers={"Authorization": f"{scheme} {KEY}"})
+        assert resp.status_code == 200, resp.text
+
+
+def test_the_key_is_checked_before_the_body_is_read(engine):
+    with TestClient(build_app(engine, MODEL, api_key=KEY, max_request_bytes=100)) as c:
+        assert_error(c.post("/v1/completions", content=b"x" * 1000, headers=JSON), 401)
+        assert_error(c.post("/v1/completions", content=b"x" * 1000,
+                            headers={**JSON, "Authorization": f"Bearer {KEY}"}), 413)
+
+
+def test_websockets_need_the_key_too(keyed):
+    with pytest.raises(WebSocketDisconnect) as info:
+        with keyed.websocket_connect("/v1/anything"):
+            pass
+    assert info.value.code == 1008
+
+
+def test_serve_takes_the_key_from_the_flag_or_the_environment(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert serve.resolve_api_key(serve.parse_args([])) is None
+    monkeypatch.setenv("VLLM_API_KEY", "")
+    assert serve.resolve_api_key(serve.parse_args([])) is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert serve.resolve_api_key(serve.parse_args([])) == "from-env"
+    assert serve.resolve_api_key(serve.parse_args(["--api-key", "from-flag"])) == "from-flag"
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--api-key", ""])  # "$KEY" of an unset variable must not open the server
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--max-request-bytes", "0"])
+    assert serve.parse_args(["--max-request-bytes", "4096"]).max_request_bytes == 4096
+
+
+def test_loopback_hosts():
+    assert all(serve.is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "127.1.2.3"))
+    assert not any(serve.is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.10", "example.org"))
+
+
+# ---- one client cannot stall the others: the size limit, cheap refusals, work off the loop -----
+
+
+def test_default_limit_fits_the_longest_prompt_the_vocabulary_can_write(tokenizer):
+    """The bound's justification: max_model_len tokens of the longest vocabulary entry, as a
+    JSON string, fit the default limit (with room for the rest of the body)."""
+    longest = max(len(json.dumps(tokenizer.decode([i]))) - 2 for i in range(len(tokenizer)))
+    assert longest == 82
+    assert longest * 4096 + 1024 < default_max_request_bytes(4096) == 576 * 1024
+
+
+def test_oversize_bodies_get_a_413_before_they_are_parsed(engine):
+    big = json.dumps({"prompt": "x" * 2000}).encode()
+    with TestClient(build_app(engine, MODEL, max_request_bytes=1000)) as c:
+        err = assert_error(c.post("/v1/completions", content=big, headers=JSON), 413)
+        assert "1000 bytes" in err["message"] and err["type"] == "invalid_request_error"
+        chunked = c.post("/v1/completions", content=iter([big[:600], big[600:]]), headers=JSON)
+        assert "content-length" not in chunked.request.headers
+        assert_error(chunked, 413)
+        assert_error(c.post("/v1/completions", content=b"NaN" + b" " * 2000, headers=JSON), 413)
+        small = json.dumps({"prompt": [10, 11], "max_tokens": 2}).encode()
+        resp = c.post("/v1/completions", content=iter([small[:7], small[7:]]), headers=JSON)
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2
+        assert c.get("/health").status_code == 200
+    assert len(engine.priorities) == 1, "only the request under the limit reached the engine"
+
+
+def test_default_limit_follows_max_model_len(client):
+    limit = default_max_request_bytes(ScriptedEngine.max_model_len)
+    body = json.dumps({"prompt": "x" * limit}).encode()
+    assert_error(client.post("/v1/completions", content=body, headers=JSON), 413)
+    body = json.dumps({"prompt": "x " * (limit // 2 - 100)}).encode()
+    assert_error(client.post("/v1/completions", content=body, headers=JSON), 400, "prompt",
+                 code="context_length_exceeded")
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"prompt": "hi", "seed": 123456789012345678901234567890}', "seed"),
+    (b'{"prompt": "hi", "seed": -9223372036854775809}', "seed"),
+    (b'{"prompt": "hi", "seed": 1e30}', "seed"),
+    (b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "hi", "temperature": -Infinity}', "temperature"),
+    (b'{"prompt": "hi", "temperature": 1e400}', "temperature"),
+    (b'{"prompt": "hi", "top_p": NaN}', "top_p"),
+    (b'{"prompt": "hi", "priority": 9223372036854775808}', "priority"),
+    (b'{"prompt": "hi", "priority": -9223372036854775809}', "priority"),
+    (b'{"prompt": "hi", "priority": "first"}', "priority"),
+    (b'{"prompt": "hi", "max_tokens": 100000000000000000000}', "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": 1.5}', "max_tokens"),
+    (b'{"prompt": "hi", "top_k": -5}', "top_k"),
+    (b'{"prompt": "hi", "stop_token_ids": [18446744073709551616]}', "stop_token_ids"),
+    (b'{"prompt": [1, 2, 99999999999999999999999999]}', "prompt"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100000000000000000000}',
+     "max_completion_tokens"),
+])
+def test_every_bad_value_names_its_parameter(client, raw, param):
+    path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+    err = assert_error(client.post(path, content=raw, headers=JSON), 400, param)
+    assert len(err["message"]) < 300
+    assert client.post("/v1/completions", json={"prompt": [10], "max_tokens": 1}).status_code == 200
+
+
+def test_undecodable_bodies_get_a_400_saying_why(client):
+    for raw in (b'{"prompt": "\xff\xfe"}', b"[" * 20000 + b"]" * 20000,
+                b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}"):
+        err = assert_error(client.post("/v1/completions", content=raw, headers=JSON), 400)
+        assert err["message"].startswith("Invalid JSON body"), err
+    assert client.get("/health").status_code == 200
+
+
+def test_a_long_list_of_bad_items_costs_one_short_error(client):
+    start = time.perf_counter()
+    resp = client.post("/v1/completions", content=json.dumps({"prompt": [1.5] * 12000}).encode(), headers=JSON)
+    assert time.perf_counter() - start < 1.0
+    err = assert_error(resp, 400, "prompt")
+    assert len(resp.content) < 1000 and err["message"].endswith("and 1 more")
+
+
+def test_bodies_are_prepared_in_low_priority_worker_threads(client, tokenizer, monkeypatch):
+    seen = []
+
+    def spy(method):
+        def wrapper(*args, **kwargs):
+            seen.append((method.__name__, threading.current_thread().name))
+            return method(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(tokenizer, "encode", spy(tokenizer.encode))
+    monkeypatch.setattr(tokenizer, "apply_chat_template", spy(tokenizer.apply_chat_template))
+    assert client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1}).status_code == 200
+    assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 1}).status_code == 200
+    assert {name for name, _ in seen} == {"encode", "apply_chat_template"}
+    assert all(thread.startswith("prepare") for _, thread in seen), seen
+    if sys.platform == "linux":
+        nice = client.app.state.serving.executor.submit(
+            lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+        assert nice == 19
+
+
+def test_a_prompt_over_the_context_never_reaches_the_engine_thread(client, engine):
+    resp = client.post("/v1/completions", json={"prompt": list(range(10, 80))})
+    assert_error(resp, 400, "prompt", code="context_length_exceeded")
+    resp = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x " * 80}]})
+    assert_error(resp, 400, "messages", code="context_length_exceeded")
+    assert not engine.priorities
 
 
 def _params(max_tokens):

@@ -6,6 +6,11 @@
 * ``GET  /health``               200 while the engine loop lives, 503 once it died;
 * ``GET  /metrics``              Prometheus text with vLLM's metric names.
 
+Two guards stand in front of every route, as ASGI middleware (they answer before FastAPI reads,
+parses or validates anything): with an API key, every path but ``/health`` and ``/metrics``
+needs ``Authorization: Bearer <key>`` (401 otherwise); and a request body over the size limit
+is refused with a 413 unread, so no client can make the server parse megabytes of JSON.
+
 The endpoints' logic is :mod:`serving`'s, the SSE plumbing :mod:`streaming`'s, the wire format
 :mod:`openai_protocol`'s; the engine runs in one background loop (:mod:`async_llm`), so every
 client shares its continuously batched steps.
@@ -13,12 +18,17 @@ client shares its continuously batched steps.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vllm_from_scratch.async_llm import AsyncLLM
 from vllm_from_scratch.metrics import CONTENT_TYPE, ServerMetrics
@@ -29,15 +39,44 @@ from vllm_from_scratch.streaming import ClientGone
 from vllm_from_scratch.viz_server import add_viz_routes
 
 
-def build_app(engine, served_model_name: str, tokenizer=None) -> FastAPI:
+# Paths open without the API key: load balancers' probes and Prometheus scrapers. An allow-list,
+# so that a route added later (a /viz page) is protected by default.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+# A request body may hold this many bytes per token of max_model_len (plus the overhead below).
+# The default model's longest vocabulary entry is 81 bytes (a newline and 80 spaces), 82 as a
+# JSON string; ordinary text is 4-7 bytes a token, non-ASCII text \u-escaped about 12, a token
+# id at most 7 ("49151, "), a chat message's JSON a few dozen bytes against the template tokens
+# it adds. So a prompt of max_model_len tokens always fits, however it is written.
+BYTES_PER_TOKEN = 128
+# The rest of the body: sampling fields, stop strings, the model name.
+BODY_OVERHEAD_BYTES = 64 * 1024
+
+
+def default_max_request_bytes(max_model_len: int) -> int:
+    """The request-size limit when none is given: 576 KiB for a 4,096-token context.
+
+    Bytes bound tokens: a body over this cannot hold a prompt the engine would take, so it is
+    refused before anyone parses or tokenizes it. A batch of many long prompts may need more
+    (``--max-request-bytes``).
+    """
+    return max_model_len * BYTES_PER_TOKEN + BODY_OVERHEAD_BYTES
+
+
+def build_app(engine, served_model_name: str, tokenizer=None, api_key: str | None = None,
+              max_request_bytes: int | None = None) -> FastAPI:
     """The FastAPI application serving ``engine`` (an ``LLMEngine`` or anything with its API).
 
     ``tokenizer`` defaults to ``engine.tokenizer``; the CLI passes a second instance, because
     the server tokenizes in worker threads while the engine thread detokenizes with its own.
+    ``api_key``: if set, every path but :data:`OPEN_PATHS` needs it as a bearer token.
+    ``max_request_bytes``: the largest request body accepted (default
+    :func:`default_max_request_bytes` of the engine's ``max_model_len``).
     """
     metrics = ServerMetrics(served_model_name, lambda: llm.stats)
     llm = AsyncLLM(engine, metrics)
-    serving = OpenAIServing(llm, served_model_name, tokenizer or engine.tokenizer, engine.max_model_len)
+    serving = OpenAIServing(llm, served_model_name, tokenizer or engine.tokenizer, engine.max_model_len,
+                            engine.config.vocab_size)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -45,6 +84,7 @@ def build_app(engine, served_model_name: str, tokenizer=None) -> FastAPI:
         try:
             yield
         finally:
+            serving.shutdown()
             llm.shutdown()
 
     app = FastAPI(title="vllm-from-scratch", lifespan=lifespan)
@@ -79,6 +119,11 @@ def build_app(engine, served_model_name: str, tokenizer=None) -> FastAPI:
 
     add_viz_routes(app, engine)
     add_error_handlers(app)
+    # Added last, so outermost: the key is checked before the body is read at all.
+    app.add_middleware(RequestSizeLimitMiddleware,
+                       max_bytes=max_request_bytes or default_max_request_bytes(engine.max_model_len))
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
 
 
@@ -96,7 +141,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException):
-        return JSONResponse(APIError(str(exc.detail), status_code=exc.status_code).body(),
+        message = str(exc.detail)
+        if isinstance(exc.__cause__, ValueError | RecursionError):
+            # FastAPI's "error parsing the body": say why (bad UTF-8, nesting too deep).
+            message = f"Invalid JSON body: {exc.__cause__}"
+        return JSONResponse(APIError(message, status_code=exc.status_code).body(),
                             status_code=exc.status_code)
 
     @app.exception_handler(ClientGone)
@@ -104,13 +153,122 @@ def add_error_handlers(app: FastAPI) -> None:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    """A body that does not parse or has the wrong shape: a 400 naming the first bad field."""
+def validation_error(exc: RequestValidationError, max_listed: int = 3) -> APIError:
+    """A body that does not parse or has the wrong shape: a 400 naming the first bad field.
+
+    The message lists the first ``max_listed`` errors: a client's mistake repeated over a long
+    list is one mistake, and must not come back as a megabyte of messages.
+    """
     errors = exc.errors()
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return APIError(f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: "
-                        f"{e.get('msg')}" for e in errors)
+                        f"{e.get('msg')}" for e in errors[:max_listed])
+    if len(errors) > max_listed:
+        message += f"; and {len(errors) - max_listed} more"
     return APIError(message or "invalid request", param=loc[0] if loc else None)
+
+
+# ---- the guards: pure ASGI middleware, so they answer before FastAPI reads the body ---------------
+
+
+class APIKeyMiddleware:
+    """vLLM's ``--api-key``: every path but :data:`OPEN_PATHS` needs ``Authorization: Bearer <key>``.
+
+    The answer otherwise is a 401 with OpenAI's body (the openai client raises
+    ``AuthenticationError``). Keys are compared as SHA-256 digests with ``hmac.compare_digest``:
+    constant time, and equal lengths whatever the client sent, so timing tells nothing about
+    the key. The key is never logged or echoed.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})  # policy violation
+        else:
+            await send_error(scope, receive, send, APIError("Unauthorized", 401, code="invalid_api_key"),
+                             headers={"www-authenticate": "Bearer"})
+
+    def _authorized(self, scope: Scope) -> bool:
+        # Headers are latin-1 text; back to the bytes the client sent.
+        value = Headers(scope=scope).get("authorization", "").encode("latin-1")
+        scheme, _, token = value.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(hashlib.sha256(token).digest(), self._digest)
+
+
+class RequestSizeLimitMiddleware:
+    """A request body over ``max_bytes`` gets a 413 before anything parses it.
+
+    A declared ``Content-Length`` over the limit is refused unread. Otherwise the body is read
+    here, at most ``max_bytes + 1`` bytes whatever its framing (chunked uploads declare no
+    length), and handed on whole: the JSON parser and the validators after it, which hold the
+    event loop while they run, never see more than the limit.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = None if self._declared_too_large(scope) else await read_body(receive, self.max_bytes)
+        except ClientDisconnect:
+            return  # the client left mid-upload: nobody to answer
+        if body is None:
+            await send_error(scope, receive, send, APIError(
+                f"Request body is too large: this server accepts at most {self.max_bytes} bytes",
+                status_code=413))
+            return
+        await self.app(scope, replay(body, receive), send)
+
+    def _declared_too_large(self, scope: Scope) -> bool:
+        declared = Headers(scope=scope).get("content-length", "")
+        return declared.isdigit() and int(declared) > self.max_bytes
+
+
+async def read_body(receive: Receive, max_bytes: int) -> bytes | None:
+    """The request body, or None as soon as it passes ``max_bytes``."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > max_bytes:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands over ``body`` once, then listens to the client again (so a
+    disconnect still reaches the handler that waits for one)."""
+    sent = False
+
+    async def receive_again() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive_again
+
+
+async def send_error(scope: Scope, receive: Receive, send: Send, err: APIError,
+                     headers: dict[str, str] | None = None) -> None:
+    """Answer with ``err``'s OpenAI error body, from outside FastAPI's routing."""
+    await JSONResponse(err.body(), status_code=err.status_code, headers=headers)(scope, receive, send)

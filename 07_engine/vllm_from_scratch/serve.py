@@ -1,13 +1,17 @@
 """Serve a model over the OpenAI API: ``python -m vllm_from_scratch.serve [MODEL_DIR] --port N``.
 
 The engine's flags are generated from :class:`config.EngineConfig` (``--help`` lists every
-setting with its default, in vLLM's spellings); the routes are in :mod:`api_server`.
+setting with its default, in vLLM's spellings); the routes are in :mod:`api_server`. The
+server's own settings are written here: where it listens, the API key (``--api-key`` or the
+``VLLM_API_KEY`` environment variable, as vLLM) and the request-size limit.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 from pathlib import Path
 
 from vllm_from_scratch.config import EngineConfig
@@ -25,8 +29,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients pass as `model` (default: the directory's name)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
+                             "(default: the VLLM_API_KEY environment variable, which keeps the key out of "
+                             "the process list; neither: no key)")
+    parser.add_argument("--max-request-bytes", type=positive_int, default=None,
+                        help="refuse larger request bodies with a 413 before parsing them (default: "
+                             "128 bytes per token of --max-model-len, plus 64 KiB)")
     EngineConfig.add_cli_args(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.api_key == "":
+        parser.error("--api-key is empty (an unset shell variable?); leave the flag out to serve without a key")
+    return args
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """The flag, else ``VLLM_API_KEY`` (an empty variable counts as unset, as in vLLM)."""
+    return args.api_key or os.environ.get("VLLM_API_KEY") or None
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,9 +74,15 @@ def main(argv: list[str] | None = None) -> None:
 
     model_dir = args.model or default_model_dir()
     engine = LLMEngine(model_dir, **EngineConfig.cli_kwargs(args))
+    api_key = resolve_api_key(args)
+    if api_key is None and not is_loopback(args.host):
+        log.warning("listening on %s without an API key: anyone who can reach port %d can use this "
+                    "server (set --api-key or VLLM_API_KEY)", args.host, args.port)
     app = build_app(engine, args.served_model_name or Path(model_dir).name,
-                    tokenizer=AutoTokenizer.from_pretrained(model_dir))
-    log.info("serving %s on http://%s:%d/v1", model_dir, args.host, args.port)
+                    tokenizer=AutoTokenizer.from_pretrained(model_dir), api_key=api_key,
+                    max_request_bytes=args.max_request_bytes)
+    log.info("serving %s on http://%s:%d/v1 (%s)", model_dir, args.host, args.port,
+             "API key required" if api_key else "no API key")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
