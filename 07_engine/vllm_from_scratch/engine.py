@@ -380,6 +380,20 @@ class LLMEngine:
                {f"kv_pool_{k}": v for k, v in vars(self.kv_connector.stats).items()}),
         }
 
+    def warm_up(self) -> float:
+        """Run the shapes the engine will meet once, before serving; returns the seconds it took.
+
+        A prefill of each power of two up to the token budget and a decode step of each power
+        of two up to ``max_num_seqs`` (at most 256): the sizes a step most often has, and the
+        neighbours of the rest. The server calls it before ``/health`` answers.
+        """
+        start = time.perf_counter()
+        budget = self.config.max_num_batched_tokens
+        prefill = [n for n in (2 ** i for i in range(4, 16)) if n < budget] + [budget]
+        decode = [b for b in (2 ** i for i in range(9)) if b <= min(self.config.max_num_seqs, 256)]
+        self.executor.call("warm_up", prefill, decode)
+        return time.perf_counter() - start
+
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (a no-op for one rank) and close the KV pool."""
         if self.tracer is not None:

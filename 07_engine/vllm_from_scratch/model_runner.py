@@ -120,6 +120,28 @@ class ModelRunner:
     def get_num_kvcache_blocks(self) -> int:
         return self.num_kvcache_blocks
 
+    @torch.inference_mode()
+    def warm_up(self, prefill_lens: list[int], decode_batch_sizes: list[int]) -> None:
+        """Run one prefill of each length and one decode step of each batch size on dummy tokens,
+        so that the libraries' one-time work per shape (oneDNN builds a kernel for every new
+        matmul shape) is done before the first real request. Call it before any request: the
+        dummy K/V lands in blocks nobody holds yet, and every block is written before it is read.
+        """
+        for n in prefill_lens:
+            self._dummy_forward([n], context=0)
+        for b in decode_batch_sizes:
+            self._dummy_forward([1] * b, context=self.block_size - 1)
+
+    def _dummy_forward(self, lens: list[int], context: int) -> None:
+        blocks_per_seq = cdiv(max(lens) + context, self.block_size)
+        if blocks_per_seq * len(lens) > self.num_kvcache_blocks:
+            return  # a cache this small never meets this shape
+        info = SchedulerInfo()
+        for i, n in enumerate(lens):
+            table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+            info.add_row(f"warm-up-{i}", [0] * n, context, table, samples=True)
+        self.compute_logits(build_batch_inputs(info, self.block_size, self.device))
+
     # ------------------------------------------------------------------ forward
     @staticmethod
     def attention_metadata(batch: BatchInputs) -> AttentionMetadata:
