@@ -53,9 +53,9 @@ def prompts(n=3, shared=96):
 
 
 def test_a_second_process_is_served_from_the_pool(tmp_path):
-    """The book's measurement, small: bench_kv_pool.py's cold / producer / consumer processes."""
+    """The book's measurement, small: bench_engine_kv_pool.py's cold / producer / consumer processes."""
     out = tmp_path / "pool.json"
-    proc = subprocess.run([sys.executable, str(HERE / "bench_kv_pool.py"), "--dtype", "float32", "--requests", "3",
+    proc = subprocess.run([sys.executable, str(HERE / "bench_engine_kv_pool.py"), "--dtype", "float32", "--requests", "3",
                            "--shared-len", "64", "--distinct-len", "8", "--new-tokens", "4", "--json", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

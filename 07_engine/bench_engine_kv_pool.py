@@ -1,6 +1,6 @@
 """Two engine processes on one Mooncake store: what the global KV pool saves the second one.
 
-    .venv/bin/python 07_engine/bench_kv_pool.py            # default model, 16 requests (~2 min)
+    .venv/bin/python 07_engine/bench_engine_kv_pool.py            # default model, 16 requests (~2 min)
 
 It starts ``mooncake_master`` and a ``mooncake_client`` that holds the pool (chapter 03's
 launcher), then runs three engine *processes* in turn on the same workload (``--requests``
