@@ -3,9 +3,10 @@
 Two kinds of numbers, two mechanisms:
 
 * the engine's state (running / waiting requests, KV usage) and its cumulative counters
-  (prefix-cache queries and hits, prompt and generation tokens, preemptions) live inside the
-  engine; a custom collector reads the latest ``get_stats()`` snapshot at scrape time, so the
-  server never keeps a second copy that could drift;
+  (prefix-cache queries and hits, prompt and generation tokens, preemptions, and the global
+  KV pool's queries, hits, bytes and failures when there is one) live inside the engine; a
+  custom collector reads the latest ``get_stats()`` snapshot at scrape time, so the server
+  never keeps a second copy that could drift;
 * per-request latencies (time to first token, inter-token latency, end-to-end latency) are only
   visible to the server, which observes them into histograms as outputs leave the engine loop.
 
@@ -45,6 +46,15 @@ COUNTERS = (
     ("vllm:generation_tokens", "generation_tokens_total", "Number of generation tokens processed."),
     ("vllm:num_preemptions", "num_preemptions_total", "Cumulative number of preemptions from the engine."),
 )
+# The global KV pool's counters, present only when the engine has a KV connector. vLLM's
+# connectors each report their own; these follow its "queries / hits in tokens" convention.
+KV_POOL_COUNTERS = (
+    ("vllm:kv_pool_queries", "kv_pool_query_tokens", "KV pool queries, in terms of number of queried tokens."),
+    ("vllm:kv_pool_hits", "kv_pool_hit_tokens", "KV pool hits, in terms of number of tokens found in the pool."),
+    ("vllm:kv_pool_loaded_bytes", "kv_pool_loaded_bytes", "Bytes of KV loaded from the pool into the KV cache."),
+    ("vllm:kv_pool_saved_bytes", "kv_pool_saved_bytes", "Bytes of KV published from the KV cache to the pool."),
+    ("vllm:kv_pool_load_failures", "kv_pool_load_failures", "Pool loads that failed or failed their check (recomputed)."),
+)
 
 
 class EngineStatsCollector(Collector):
@@ -60,7 +70,8 @@ class EngineStatsCollector(Collector):
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(stats.get(key, 0)))
             yield family
-        for name, key, doc in COUNTERS:
+        pool = KV_POOL_COUNTERS if "kv_pool_hit_tokens" in stats else ()
+        for name, key, doc in COUNTERS + pool:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(stats.get(key, 0)))
             yield family
