@@ -165,9 +165,10 @@ class KVConnector(Protocol):
     asks and tells, it never moves K/V.
     """
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         """Prompt tokens past ``num_computed_tokens`` (the local hits) the pool holds, in whole
-        blocks, never the last prompt token."""
+        blocks, never the last prompt token; ``None`` for "ask again next step" (another request
+        is already loading blocks this one needs, which will then be local hits)."""
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         """``request``'s blocks are allocated: remember to load those tokens into them."""
@@ -476,7 +477,10 @@ class Scheduler:
         scheduled: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             req = self.waiting.peek()
-            if self._start_remote_load(req):
+            remote = self._start_remote_load(req)
+            if remote is None:
+                break  # the head waits one step for a load it shares, then hits the local cache
+            if remote:
                 continue
             num_new = self._admit(req, budget)
             if num_new == 0:
@@ -525,14 +529,17 @@ class Scheduler:
         return num_new
 
     # ------------------------------------------------------------------ a global KV pool
-    def _start_remote_load(self, req: Request) -> bool:
+    def _start_remote_load(self, req: Request) -> bool | None:
         """If the connector holds more of ``req``'s prompt than the local cache, take its blocks
-        now and park it in ``WAITING_FOR_REMOTE_KVS`` until the K/V has arrived."""
+        now and park it in ``WAITING_FOR_REMOTE_KVS`` until the K/V has arrived (True); False
+        when it does not; None when the connector asks the request to wait a step."""
         if self.kv_connector is None:
             return False
         computed = self.block_manager.get_computed_blocks(req)
         num_hit_tokens = len(computed) * self.block_size
         num_external = self.kv_connector.get_num_new_matched_tokens(req, num_hit_tokens)
+        if num_external is None:
+            return None
         if num_external <= 0 or not self.block_manager.allocate_slots(req, num_external, computed):
             return False
         self.waiting.pop()

@@ -88,7 +88,9 @@ class FakeConnector:
 
     ``load(model, rng)`` plays the engine's part before a step: every pending load delivers a
     random whole number of its promised blocks (fewer is a fault the request must survive by
-    computing the rest), written into the fake KV cache as a remote engine computed them.
+    computing the rest), written into the fake KV cache as a remote engine computed them. While
+    loads are pending it sometimes answers "ask again next step", as the engine's connector does
+    for a request whose blocks another request is loading.
     """
 
     def __init__(self, rng: random.Random, block_size: int, p_hit: float):
@@ -98,10 +100,12 @@ class FakeConnector:
         self.pending: dict[str, tuple[Request, int]] = {}
         self.num_promised = self.num_loaded = 0
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         max_blocks = (request.num_tokens - 1) // self.block_size - num_computed_tokens // self.block_size
         if max_blocks <= 0 or self.rng.random() >= self.p_hit:
             return 0
+        if self.pending and self.rng.random() < 0.3:
+            return None  # as if an earlier admission were loading blocks this request shares
         return self.rng.randint(1, max_blocks) * self.block_size
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:

@@ -60,10 +60,12 @@ def test_a_second_process_is_served_from_the_pool(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["outputs_identical"]
+    assert report["requests_with_identical_tokens"] == 3
     assert report["producer"]["kv_pool_saved_blocks"] >= 4
     consumer = report["consumer"]
-    assert consumer["pool"]["kv_pool_loaded_blocks"] >= 3 * 4  # the 64 shared tokens, for each request
+    # The 64 shared tokens, loaded once: the two requests arriving beside the first wait a step
+    # for that load and find them in the local prefix cache.
+    assert consumer["pool"]["kv_pool_loaded_blocks"] == 4
     assert consumer["prompt_tokens_computed"] < report["cold"]["prompt_tokens_computed"]
     assert "break-even" in proc.stdout
 

@@ -134,6 +134,7 @@ class KVConnectorScheduler:
         self.worker = worker
         self.block_size = block_manager.block_size
         self._pending: dict[str, tuple[Request, int]] = {}
+        self._loading: set[bytes] = set()  # block hashes the pending loads bring in
         self._num_published: dict[str, int] = {}  # leading blocks of a request already offered
 
     @property
@@ -141,13 +142,15 @@ class KVConnectorScheduler:
         return self.worker.stats
 
     # ---- chapter 04's KVConnector protocol ---------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         if not self.transfer.loads:
             return 0
         first = num_computed_tokens // self.block_size
         hashes = self.block_manager.block_hashes(request)[first:self.block_manager.max_hit_blocks(request)]
         if not hashes:
             return 0
+        if not self._loading.isdisjoint(hashes):
+            return None  # next step they are local prefix hits: one load, not one per request
         matched = self.worker.pool.query(hashes)
         self.stats.query_tokens += len(hashes) * self.block_size
         self.stats.hit_tokens += matched
@@ -155,6 +158,8 @@ class KVConnectorScheduler:
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         self._pending[request.request_id] = (request, num_external_tokens)
+        first = request.num_computed_tokens // self.block_size
+        self._loading.update(self.block_manager.block_hashes(request)[first:][:num_external_tokens // self.block_size])
 
     def request_finished(self, request: Request) -> None:
         self._pending.pop(request.request_id, None)
@@ -168,6 +173,7 @@ class KVConnectorScheduler:
             first = req.num_computed_tokens // self.block_size
             loads.append(self._transfer(req, first, first + num_tokens // self.block_size))
         self._pending = {}
+        self._loading = set()
         return loads
 
     def build_connector_meta(self, out: SchedulerOutput) -> KVConnectorMetadata:
