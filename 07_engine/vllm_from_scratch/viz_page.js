@@ -517,7 +517,10 @@
     const css = getComputedStyle(document.documentElement);
     const color = (v) => css.getPropertyValue(v).trim();
     const top = 14 * dpr, barH = H - top - 2 * dpr;
-    const maxTotal = Math.max(...S.index.map((x) => x.total || 0), 1);
+    // Scaled to the busiest step; the budget line shows when it is within reach of the bars.
+    const maxUsed = S.index.reduce((m, x) => Math.max(m, x.prefill + x.decode + x.verify), 1);
+    const budget = S.header.token_budget;
+    const maxTotal = budget <= 1.6 * maxUsed ? Math.max(budget, maxUsed) : 1.15 * maxUsed;
     const cols = Math.min(W, n), colW = W / cols;
     for (let c = 0; c < cols; c++) {
       const lo = Math.floor((c * n) / cols), hi = Math.max(lo + 1, Math.floor(((c + 1) * n) / cols));
@@ -540,9 +543,13 @@
         mx += 2 * dpr;
       }
     }
-    ctx.strokeStyle = "#999"; ctx.setLineDash([4 * dpr, 3 * dpr]);
-    const yb = H - 2 * dpr - (S.header.token_budget / maxTotal) * barH;
-    ctx.beginPath(); ctx.moveTo(0, yb); ctx.lineTo(W, yb); ctx.stroke(); ctx.setLineDash([]);
+    if (budget <= maxTotal) {
+      ctx.strokeStyle = "#999"; ctx.setLineDash([4 * dpr, 3 * dpr]);
+      const yb = H - 2 * dpr - (budget / maxTotal) * barH;
+      ctx.beginPath(); ctx.moveTo(0, yb); ctx.lineTo(W, yb); ctx.stroke(); ctx.setLineDash([]);
+    }
+    $("scale").textContent = `bar height: tokens per step, full height ${Math.round(maxTotal)}` +
+      (budget <= maxTotal ? `; dashed: the budget (${budget})` : `; the budget (${budget}) is off the scale`);
   }
 
   function drawCursor() {
