@@ -13,6 +13,7 @@ It prints reserved vs used slots, the waste, the bytes for SmolLM2-135M's KV cac
 
     python 01_paged_kv/demo.py
     python 01_paged_kv/demo.py --num-requests 2000 --plot waste.png
+    python 01_paged_kv/demo.py --trace blocks.jsonl     # block tables in the real engine, traced
 """
 
 from __future__ import annotations
@@ -99,6 +100,17 @@ def plot(rows: list[dict], lengths: list[int], max_model_len: int, path: str) ->
     print(f"saved {path}")
 
 
+def trace(path: str) -> None:
+    """``--trace``: block tables in the real engine. Three chat requests on the default model
+    (prefix caching off, so every block is a request's own); the third arrives one step later,
+    after the first has crossed into its third block."""
+    from vllm_from_scratch.viz import Arrival, demo_trace
+
+    demo_trace(path, [Arrival("Hi!", 24), Arrival("Explain paging in one sentence.", 24),
+                      Arrival("What is a KV cache?", 24, step=1)],
+               num_kvcache_blocks=24, max_model_len=256, enable_prefix_caching=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=1000, help="requests in the mix")
@@ -111,7 +123,11 @@ def main() -> None:
     parser.add_argument("--budget-gib", type=float, default=2.0, help="KV budget for the 'fit' column")
     parser.add_argument("--seed", type=int, default=0, help="seed of the length sampler")
     parser.add_argument("--plot", metavar="PNG", help="save a matplotlib figure here")
+    parser.add_argument("--trace", metavar="PATH", help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)")
     args = parser.parse_args()
+    if args.trace:
+        trace(args.trace)
+        return
     if args.num_requests <= 0:
         parser.error("--num-requests must be positive")
     if args.max_model_len <= 0 or any(b <= 0 for b in args.block_sizes):

@@ -9,6 +9,9 @@ its full blocks to a Mooncake store (started here, on loopback); engine B, a sep
 with a cold local cache, serves the second half and loads the system prompt's K/V from the
 store instead of computing it. B's K/V is checked against a fresh computation. Without Mooncake
 the same runs on the embedded in-process pool, with a note.
+
+    python 03_prefix_cache/demo.py
+    python 03_prefix_cache/demo.py --trace prefix.jsonl   # shared prefix blocks in the real engine, traced
 """
 
 from __future__ import annotations
@@ -98,6 +101,19 @@ def run_embedded(first: list[list[int]], second: list[list[int]], args) -> tuple
     return reports[0], reports[1]
 
 
+def trace(path: str) -> None:
+    """``--trace``: four chat requests on the default model share a system prompt and arrive
+    two steps apart; each later one finds the prompt's blocks in the prefix cache and shares
+    them (reference counts above 1)."""
+    from vllm_from_scratch.viz import Arrival, demo_trace
+
+    system = ("You are a patient teacher of computer science. You explain ideas to students who are new to "
+              "them, in plain words, with one small example when it helps. Answer in one short sentence.")
+    questions = ["What is the capital of France?", "What is 2 + 2?", "Name a planet.", "What colour is the sky?"]
+    demo_trace(path, [Arrival(q, 8, step=2 * i, system=system) for i, q in enumerate(questions)],
+               num_kvcache_blocks=32, max_model_len=256)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="Prefix caching on a shared-system-prompt workload, locally "
                                              "and across two engine processes through a Mooncake store.")
@@ -106,7 +122,11 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=128, help="KV blocks per engine")
     ap.add_argument("--embedded", action="store_true", help="use the in-process pool even if Mooncake works")
+    ap.add_argument("--trace", metavar="PATH", help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)")
     args = ap.parse_args()
+    if args.trace:
+        trace(args.trace)
+        return
     os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's C++ info logs would drown the table
     from kv_pool_peer import MiniEngine
     from mooncake_launcher import mooncake_unavailable_reason

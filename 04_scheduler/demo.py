@@ -9,6 +9,7 @@ and every block is free.
     python 04_scheduler/demo.py                       # two-phase, FCFS
     python 04_scheduler/demo.py --policy priority     # lower value = more important
     python 04_scheduler/demo.py --prefill-first       # nano-vllm's policy
+    python 04_scheduler/demo.py --trace run.jsonl     # the real engine on the default model, traced
 """
 
 from __future__ import annotations
@@ -23,6 +24,17 @@ from scheduler_testing import FakeModel, true_completion
 VOCAB = 50
 
 
+def trace(path: str) -> None:
+    """``--trace``: the same story in the real engine. Four chat requests on the default model
+    share a KV cache of 16 blocks; their 40-token answers do not all fit, so the newest is
+    preempted, waits, and is recomputed (finding its prompt in the prefix cache)."""
+    from vllm_from_scratch.viz import Arrival, demo_trace
+
+    demo_trace(path, [Arrival("Write a short poem about the sea.", 40), Arrival("List three fruits.", 40),
+                      Arrival("What is a block table?", 40), Arrival("Count from one to ten.", 40)],
+               num_kvcache_blocks=16, max_num_batched_tokens=256, max_model_len=256)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
@@ -30,7 +42,11 @@ def main(argv=None) -> None:
     p.add_argument("--num-blocks", type=int, default=7, help="KV blocks of 4 tokens")
     p.add_argument("--max-num-batched-tokens", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=3)
+    p.add_argument("--trace", metavar="PATH", help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)")
     args = p.parse_args(argv)
+    if args.trace:
+        trace(args.trace)
+        return
 
     bs = 4
     bm = BlockManager(args.num_blocks, bs)

@@ -6,6 +6,9 @@
    prompt it has to copy: acceptance, tokens per target forward, wall-clock speed-up, and the
    check that the greedy output did not change.
 3. The same with a draft model: the first layers of the default model saved as a checkpoint.
+
+    python 05_spec_decode/demo.py
+    python 05_spec_decode/demo.py --trace spec.jsonl   # n-gram drafts verified in the real engine, traced
 """
 
 from __future__ import annotations
@@ -94,6 +97,15 @@ def real_models(max_new: int, k: int, draft_layers: int, draft_tokens: int) -> N
           "   costs forwards and buys almost no accepted tokens, so here it does not pay.")
 
 
+def trace(path: str) -> None:
+    """``--trace``: n-gram drafts (k=4) in the real engine, on the default model and the prompt
+    it has to copy: each verify step shows how many drafts the target accepted."""
+    from vllm_from_scratch.viz import Arrival, demo_trace
+
+    demo_trace(path, [Arrival(WORKLOADS["copy"], 48)], num_kvcache_blocks=32, max_model_len=512,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,7 +117,11 @@ def main() -> None:
                         help="new tokens for the draft-model part")
     parser.add_argument("--toy-only", action="store_true", help="skip the real-model parts")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", metavar="PATH", help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)")
     args = parser.parse_args()
+    if args.trace:
+        trace(args.trace)
+        return
     torch.manual_seed(args.seed)
     toy_sampler(args.rows, args.seed)
     if not args.toy_only:

@@ -9,6 +9,7 @@ row's logits equal a plain dense forward of the whole sequence.
 
     python 06_chunked_prefill/demo.py
     python 06_chunked_prefill/demo.py --budget 16 --threshold 4
+    python 06_chunked_prefill/demo.py --trace chunks.jsonl   # the real engine on the default model, traced
 """
 
 from __future__ import annotations
@@ -56,11 +57,27 @@ def run(sched, model, verbose: bool) -> tuple[dict, float]:
     return {r.request_id: r.completion_token_ids for r in reqs}, max_err
 
 
+def trace(path: str) -> None:
+    """``--trace``: the same story in the real engine. Two chat requests on the default model
+    are decoding when a prompt of about 200 tokens arrives; with a budget of 48 tokens a step,
+    it goes through in chunks beside their decodes."""
+    from vllm_from_scratch.viz import Arrival, demo_trace
+
+    long = "Summarize this: " + " ".join(["The engine schedules tokens, not requests, and every step has a budget."] * 12)
+    demo_trace(path, [Arrival("Count from one to twenty.", 30), Arrival("Name the days of the week.", 30),
+                      Arrival(long, 4, step=3)],
+               num_kvcache_blocks=48, max_num_batched_tokens=48, max_model_len=512, enable_prefix_caching=False)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget", type=int, default=8, help="max_num_batched_tokens of the chunked scheduler")
     p.add_argument("--threshold", type=int, default=0, help="long_prefill_token_threshold (0: none)")
+    p.add_argument("--trace", metavar="PATH", help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)")
     args = p.parse_args(argv)
+    if args.trace:
+        trace(args.trace)
+        return
 
     torch.manual_seed(0)
     model = ToyTransformer(vocab_size=128, hidden=64, num_layers=2, num_heads=4, num_kv_heads=2)

@@ -8,6 +8,8 @@ made once per session and shared with the browser tests; the others run the tiny
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -210,6 +212,29 @@ def test_cli_writes_a_self_contained_page_and_checks(tmp_path, capsys):
     assert "invariants hold" in capsys.readouterr().out
     assert "http://" not in page and "https://" not in page  # nothing fetched when it is viewed
     assert page.count("\n") >= len(path.read_text().splitlines())
+    assert_trace_event_format(json.loads((tmp_path / "c.json").read_text()))
+
+
+def assert_trace_event_format(trace: dict) -> None:
+    """What Perfetto and chrome://tracing need of a JSON trace (the Trace Event Format document):
+    an object with ``traceEvents``; each event a phase, a process and a thread; complete events
+    (``X``) a start and a duration in microseconds; counters (``C``) numeric series; instants
+    (``i``) a scope; metadata (``M``) the name it sets."""
+    events = trace["traceEvents"]
+    assert isinstance(events, list) and events
+    for e in events:
+        assert e["ph"] in {"X", "C", "i", "M"} and isinstance(e["pid"], int) and isinstance(e["name"], str), e
+        if e["ph"] == "M":
+            assert e["name"] in {"process_name", "thread_name", "process_sort_index", "thread_sort_index"}
+            assert "name" in e["args"] or "sort_index" in e["args"]
+            continue
+        assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0, e
+        if e["ph"] == "X":
+            assert isinstance(e["tid"], int) and isinstance(e["dur"], (int, float)) and e["dur"] >= 0, e
+        elif e["ph"] == "C":
+            assert e["args"] and all(isinstance(v, (int, float)) for v in e["args"].values()), e
+        else:
+            assert e["s"] in {"t", "p", "g"}, e
 
 
 def test_embedded_data_cannot_close_the_script_element():
@@ -235,6 +260,75 @@ def test_chrome_trace_has_step_spans_and_each_requests_life(tmp_path):
     json.dumps(events)
 
 
+# ---------------------------------------------------------------------------- the chapter demos
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _block_tables(rec: dict) -> dict[str, list[int]]:
+    return {rid: r["blocks"] for rid, r in rec["requests"].items() if r["blocks"]}
+
+
+def _paged_kv(recs: list[dict]) -> None:
+    # What 01's README says of step 1 and what its exercise 7 asks the student to predict.
+    assert _block_tables(recs[1]) == {"req-0": [0, 1, 5], "req-1": [2, 3, 4], "req-2": [6, 7, 8]}
+    fourth = next(r for r in recs if len(r["requests"].get("req-1", {}).get("blocks", [])) == 4)
+    assert fourth["step"] == 12 and fourth["requests"]["req-1"]["blocks"][3] == 9
+    assert any(f["id"] == "req-0" for r in recs if r["step"] < 12 for f in r.get("finished", []))
+
+
+def _prefix_cache(recs: list[dict]) -> None:
+    admitted = next(r for r in recs if "req-3" in r.get("admitted", []))
+    assert admitted["prefix_hits"]["req-3"] == 32
+    assert admitted["blocks"]["ref_counts"][str(_block_tables(admitted)["req-3"][0])] == 4
+
+
+def _scheduler(recs: list[dict]) -> None:
+    i = next(i for i, r in enumerate(recs) if r.get("preempted"))
+    victim = recs[i]["preempted"][0]
+    assert victim == "req-3" and recs[i]["waiting"][0] == {"id": victim, "priority": 0, "preempted": True}
+    assert recs[i]["requests"][victim]["blocks"] == [] and recs[i]["blocks"]["cached_free"]
+    assert any(victim in r.get("prefix_hits", {}) for r in recs[i + 1:])  # re-admitted, its prompt cached
+    assert any(r["blocks"]["evicted"] for r in recs[i + 1:])
+
+
+def _spec_decode(recs: list[dict]) -> None:
+    verify = [s for r in recs for s in r.get("scheduled", []) if s["kind"] == "verify"]
+    assert verify and max(s["accepted"] for s in verify) == 4
+    assert all(len(s["sampled"]) == s["accepted"] + 1 for s in verify)
+
+
+def _chunked_prefill(recs: list[dict]) -> None:
+    # The long prompt (req-2) in chunks of 46 beside the two decodes, sampling at its last chunk only.
+    chunks = [r for r in recs if any(s["id"] == "req-2" and s["kind"] == "prefill" and not s["sampled"]
+                                     for s in r["scheduled"])]
+    assert len(chunks) == 215 // 46
+    for r in chunks:
+        assert r["budget"] == {"total": 48, "used": 48, "prefill": 46, "decode": 2, "verify": 0}
+    assert chunks[0]["admitted"] == ["req-2"] and chunks[0]["requests"]["req-2"]["tokens"] == 215
+
+
+DEMOS = {"01_paged_kv": _paged_kv, "03_prefix_cache": _prefix_cache, "04_scheduler": _scheduler,
+         "05_spec_decode": _spec_decode, "06_chunked_prefill": _chunked_prefill}
+
+
+@pytest.mark.slow  # the default model through each demo's scenario: 5-10 s each on two cores
+@pytest.mark.parametrize("chapter", DEMOS)
+def test_each_chapter_demo_traces_its_idea_in_the_real_engine(chapter, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    out = subprocess.run([sys.executable, str(ROOT / chapter / "demo.py"), "--trace", str(path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "invariants hold" in out.stdout and f"python -m vllm_from_scratch.viz {path}" in out.stdout
+    assert check_trace(path).ended and read_trace(path)[0]["model"] == "SmolLM2-135M-Instruct"
+    DEMOS[chapter]([r for r in records(path) if r["type"] == "step"])
+
+
+@pytest.mark.parametrize("script", ["docs/make_screenshots.py"])
+def test_the_trace_scripts_have_help(script):
+    out = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "usage:" in out.stdout, out.stderr[-2000:]
+
+
 # ---------------------------------------------------------------------------- the live stream
 def test_viz_routes_need_the_api_key_and_redact_the_stream(tiny_llama_dir):
     import asyncio
@@ -242,11 +336,7 @@ def test_viz_routes_need_the_api_key_and_redact_the_stream(tiny_llama_dir):
     from vllm_from_scratch.api_server import build_app
 
     engine = LLMEngine(tiny_llama_dir, num_kvcache_blocks=32, kvcache_block_size=8, max_model_len=128)
-    try:
-        app = build_app(engine, "tiny", api_key="sesame")
-    except TypeError:
-        app = build_app(engine, "tiny")  # the key middleware is not in this tree
-        pytest.skip("build_app takes no api_key here")
+    app = build_app(engine, "tiny", api_key="sesame")
     live = app.state.viz
     sent = []
 

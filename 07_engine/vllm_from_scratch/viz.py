@@ -203,6 +203,19 @@ def trace_scenario(path: str | Path, arrivals: list[Arrival], model_dir: str | N
     return texts
 
 
+def demo_trace(path: str | Path, arrivals: list[Arrival], **engine_kwargs) -> None:
+    """A chapter demo's ``--trace``: run the scenario, check the trace, say how to view it."""
+    texts = trace_scenario(path, arrivals, **engine_kwargs)
+    header, records = read_trace(path)
+    summary = check_trace(path)
+    prompts = {n["id"]: n["prompt_tokens"] for r in records for n in r["new"]}
+    print(f"wrote {path}: {summary.steps} engine steps of {header['model']}, {header['num_blocks']} KV blocks "
+          f"of {header['block_size']} tokens, budget {header['token_budget']} tokens/step; invariants hold")
+    for rid, text in sorted(texts.items(), key=lambda item: int(item[0].split("-")[1])):
+        print(f"  {rid}: {prompts[rid]} prompt tokens -> {text[:60]!r}{'...' if len(text) > 60 else ''}")
+    print(f"view it: python -m vllm_from_scratch.viz {path} -o {Path(path).with_suffix('.html')}")
+
+
 # ---------------------------------------------------------------------------- the command line
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
