@@ -21,6 +21,7 @@ already the LRU order that eviction of cached blocks wants.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 
 from sequence import Sequence, cdiv  # cdiv is re-exported: later chapters import it from here
 
@@ -93,10 +94,10 @@ class BlockManager:
         """
         return []
 
-    def can_allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+    def can_allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: Collection[int] = ()) -> bool:
         return self._num_blocks_to_take(seq, num_new_tokens, computed_blocks) <= self.get_num_free_blocks()
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: Collection[int] = ()) -> bool:
         """Extend ``seq.block_table`` to cover ``num_new_tokens`` more tokens.
 
         ``computed_blocks`` (from :meth:`get_computed_blocks`) are attached first; the caller then
@@ -170,7 +171,7 @@ class BlockManager:
     def _uncached_tokens(self, seq: Sequence, computed: list[int]) -> int:
         return seq.num_tokens - seq.num_computed_tokens - len(computed) * self.block_size
 
-    def _num_blocks_to_take(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int]) -> int:
+    def _num_blocks_to_take(self, seq: Sequence, num_new_tokens: int, computed_blocks: Collection[int]) -> int:
         # A hit on a block nobody holds takes it out of the free queue too.
         idle_hits = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         return self.num_new_blocks_needed(seq, num_new_tokens, len(computed_blocks)) + idle_hits

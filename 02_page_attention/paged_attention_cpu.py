@@ -170,6 +170,7 @@ def build_cpu_kernel(key: str | None = None) -> Path:
 
 def _import_extension(path: Path):
     spec = importlib.util.spec_from_file_location(EXTENSION_NAME, path)
+    assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from global_kv_pool import EmbeddedKVPool, GlobalKVPool, MooncakeKVPool
+from global_kv_pool import EmbeddedKVPool, GlobalKVPool, KVPoolBackend, MooncakeKVPool
 from kv_cache import allocate_kv_cache
 from paged_attention import paged_attention_decode
 from prefix_block_manager import PrefixCachingBlockManager
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.backend == "mooncake":
         if not (args.master and args.metadata):
             ap.error("--backend mooncake needs --master and --metadata")
-        backend = MooncakeKVPool(args.master, args.metadata, global_segment_size=args.segment_mb << 20)
+        backend: KVPoolBackend = MooncakeKVPool(args.master, args.metadata, global_segment_size=args.segment_mb << 20)
     else:
         backend = EmbeddedKVPool()
     pool = GlobalKVPool(backend, namespace="toy-kv-model-seed0", block_size=args.block_size)

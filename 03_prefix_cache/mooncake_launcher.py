@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -66,10 +67,11 @@ class _Service:
     def __init__(self):
         self.proc: subprocess.Popen | None = None
 
-    def _spawn(self, argv: list[str]) -> None:
+    def _spawn(self, argv: list[str]) -> subprocess.Popen:
         env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", MC_LOG_LEVEL="ERROR")
         self.proc = subprocess.Popen(argv, env=env, start_new_session=True,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return self.proc
 
     def stop(self) -> None:
         """Terminate the process group (SIGTERM, then SIGKILL after 5 s) and reap it."""
@@ -104,7 +106,7 @@ class MooncakeMaster(_Service):
     unevictable) for this long, 10 s by default.
     """
 
-    def __init__(self, extra_args: list[str] = ()):
+    def __init__(self, extra_args: Sequence[str] = ()):
         super().__init__()
         self.extra_args = list(extra_args)
         self.rpc_port = self.http_port = self.metrics_port = 0
@@ -122,12 +124,12 @@ class MooncakeMaster(_Service):
         if binary is None:
             raise RuntimeError(mooncake_unavailable_reason() or "mooncake_master not found")
         self.rpc_port, self.http_port, self.metrics_port = _free_port(), _free_port(), _free_port()
-        self._spawn([binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
+        proc = self._spawn([binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
                      "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
                      f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}", *self.extra_args])
         try:
-            _wait_for_port(self.rpc_port, self.proc, "mooncake_master", timeout)
-            _wait_for_port(self.http_port, self.proc, "mooncake_master's metadata server", timeout)
+            _wait_for_port(self.rpc_port, proc, "mooncake_master", timeout)
+            _wait_for_port(self.http_port, proc, "mooncake_master's metadata server", timeout)
         except BaseException:
             self.stop()
             raise
@@ -152,12 +154,12 @@ class MooncakeClient(_Service):
         if binary is None:
             raise RuntimeError("the mooncake_client binary was not found")
         self.port = _free_port()
-        self._spawn([binary, "--host=127.0.0.1", f"--port={self.port}",
+        proc = self._spawn([binary, "--host=127.0.0.1", f"--port={self.port}",
                      f"--global_segment_size={self.segment_size}",
                      f"--master_server_address={self.master.master_addr}",
                      f"--metadata_server={self.master.metadata_url}", "--protocol=tcp"])
         try:
-            _wait_for_port(self.port, self.proc, "mooncake_client", timeout)
+            _wait_for_port(self.port, proc, "mooncake_client", timeout)
         except BaseException:
             self.stop()
             raise

@@ -16,6 +16,8 @@ changes: the engine and the scheduler keep calling the same token-level API.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from block_manager import Block, BlockManager
 from prefix_cache_local import BlockHash, hash_block_chain
 from sequence import Sequence
@@ -86,7 +88,7 @@ class PrefixCachingBlockManager(BlockManager):
             hits.append(block_id)
         return hits
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: Collection[int] = ()) -> bool:
         admitting = not seq.block_table
         if not super().allocate_slots(seq, num_new_tokens, computed_blocks):
             return False

@@ -49,7 +49,8 @@ def simulate(sched_cls, args) -> dict:
                       num_gpu_blocks=args.num_blocks, block_size=args.block_size, block_manager=bm)
     model = FakeModel(bm, args.vocab)
     pending = list(enumerate(make_workload(args)))
-    reqs, token_times = {}, {}
+    reqs: dict[str, Request] = {}
+    token_times: dict[str, list[float]] = {}
     clock, steps, tokens = 0.0, 0, 0
     while pending or sched.has_requests():
         if not sched.has_requests() and pending[0][1][0] > clock:

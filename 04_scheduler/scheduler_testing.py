@@ -33,7 +33,7 @@ def true_next_token(prefix: list[int], vocab_size: int) -> int:
 
 
 def true_completion(prompt: list[int], max_tokens: int, vocab_size: int, ignore_eos: bool) -> list[int]:
-    tokens, out = list(prompt), []
+    tokens, out = list(prompt), list[int]()
     while len(out) < max_tokens:
         t = true_next_token(tokens, vocab_size)
         tokens.append(t)
@@ -203,7 +203,7 @@ def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, 
     policy = policy or rng.choice(["fcfs", "priority"])
     if prefix_caching:
         from prefix_block_manager import PrefixCachingBlockManager
-        bm = PrefixCachingBlockManager(num_blocks, bs)
+        bm: BlockManager = PrefixCachingBlockManager(num_blocks, bs)
     else:
         bm = BlockManager(num_blocks, bs)
     kwargs = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, num_gpu_blocks=num_blocks,

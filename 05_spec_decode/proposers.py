@@ -21,12 +21,15 @@ from __future__ import annotations
 import shutil
 from collections.abc import Hashable
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from spec_decode import pad_draft_token_ids, probs_from_logits
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 class NgramProposer:
@@ -110,7 +113,7 @@ class HFCausalLM:
         self.model = model.to(device).eval()
         self.device = torch.device(device)
         self.vocab_size = self.model.config.vocab_size
-        self._caches: dict[Hashable, tuple[object, list[int]]] = {}
+        self._caches: dict[Hashable, tuple[DynamicCache | None, list[int]]] = {}
         self.num_forwards = 0
         self.num_tokens_computed = 0
 
@@ -130,7 +133,7 @@ class HFCausalLM:
             raise ValueError(f"num_logits must be in [1, len(token_ids)={len(ids)}], got {num_logits}")
         cache, cached_ids = self._caches.get(slot, (None, []))
         start = min(common_prefix_len(cached_ids, ids), len(ids) - num_logits)
-        if start == 0:
+        if cache is None or start == 0:
             cache = None
         else:
             cache.crop(start - cache.get_seq_length())

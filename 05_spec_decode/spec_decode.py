@@ -23,7 +23,7 @@ Around the sampler: :func:`draft_generate`, :func:`verify_and_sample` and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -257,6 +257,7 @@ def rejection_sampling_batched(target_sampled: torch.Tensor, draft_tokens: torch
 # One speculative step with real models: draft → verify → emit
 # ─────────────────────────────────────────────────────────────────────────────────────────────
 
+@runtime_checkable
 class LogitsModel(Protocol):
     """What the step functions need from a model: next-token logits of the last positions."""
 
@@ -324,7 +325,8 @@ def speculative_decode_step(target_model: LogitsModel, draft_model: LogitsModel 
     ``draft_model`` is either a model with ``get_logits`` (drafts via :func:`draft_generate`) or
     a proposer with ``propose`` (e.g. ``NgramProposer``, whose drafts may be fewer than K).
     """
-    if hasattr(draft_model, "get_logits"):
+    q: torch.Tensor | None
+    if isinstance(draft_model, LogitsModel):
         drafts, q = draft_generate(draft_model, context_ids, num_speculative_tokens,
                                    temperature, generator)
     else:

@@ -183,15 +183,17 @@ def build_batch_inputs(info: SchedulerInfo, block_size: int, device: torch.devic
     tables = torch.tensor([bt + [0] * (width - len(bt)) for bt in info.block_tables], dtype=torch.int32)
     seq_lens_k = starts + lens
     slot_mapping = build_slot_mapping(tables, positions, block_size, seq_ids)
-    to = dict(device=device, non_blocking=True)
+    def to(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
     return BatchInputs(
-        input_ids=torch.tensor(info.merge_prompt, dtype=torch.long).to(**to),
-        positions=positions.to(**to),
-        cu_seqlens_q=cu_seqlens_q.to(**to),
-        seq_lens_k=seq_lens_k.to(**to),
-        slot_mapping=slot_mapping.to(**to),
-        block_tables=tables.to(**to),
-        logits_indices=torch.tensor(info.logits_indices, dtype=torch.long).to(**to),
+        input_ids=to(torch.tensor(info.merge_prompt, dtype=torch.long)),
+        positions=to(positions),
+        cu_seqlens_q=to(cu_seqlens_q),
+        seq_lens_k=to(seq_lens_k),
+        slot_mapping=to(slot_mapping),
+        block_tables=to(tables),
+        logits_indices=to(torch.tensor(info.logits_indices, dtype=torch.long)),
         max_seqlen_q=int(lens.max()),
         max_seqlen_k=int(seq_lens_k.max()),
     )

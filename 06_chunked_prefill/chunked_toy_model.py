@@ -116,6 +116,7 @@ class ToyTransformer(nn.Module):
         """Reference logits ``[len(token_ids), vocab]`` of one sequence, without any cache."""
         x = self.embed(torch.tensor(token_ids, device=self.embed.weight.device))
         for layer in self.layers:
+            assert isinstance(layer, ToyLayer)
             x = layer.forward_dense(x)
         return self.lm_head(rms_norm(x, self.norm)).float()
 
