@@ -138,6 +138,24 @@ def plot_engine_throughput(output: str, ax: plt.Axes) -> None:
     _bars(ax, labels, {value_col: [number(row[value_col]) for row in table]}, "output tokens / s")
 
 
+def plot_engine_kv_pool(output: str, ax: plt.Axes) -> None:
+    tables = markdown_tables(output)
+    cold, pooled = next(t for t in tables if "instance" in t[0])
+    single, disaggregated = next(t for t in tables if "setup" in t[0])
+    labels = ["pool: TTFT mean", "pool: TTFT p99", "pool: prefill of all 16",
+              "P/D: TTFT mean", "P/D: ITL p50", "P/D: ITL p99"]
+    series = {
+        "without (cold instance / one instance)":
+            [number(cold[c]) for c in ("TTFT mean s", "TTFT p99 s", "their prefill s")]
+            + [number(single[c]) / 1000 for c in ("TTFT mean ms", "ITL p50 ms", "ITL p99 ms")],
+        "with (prefix from the pool / prefill + decode pair)":
+            [number(pooled[c]) for c in ("TTFT mean s", "TTFT p99 s", "their prefill s")]
+            + [number(disaggregated[c]) / 1000 for c in ("TTFT mean ms", "ITL p50 ms", "ITL p99 ms")],
+    }
+    _bars(ax, labels, series, "seconds (log, lower is better)", log=True)
+    ax.legend(fontsize=8, loc="lower left")
+
+
 def plot_chunked_prefill(output: str, ax: plt.Axes) -> None:
     table = markdown_tables(output)[0]
     metrics = ["long prompt TTFT ms", "decode ITL p50 ms", "decode ITL p99 ms", "decode ITL max ms"]
@@ -180,6 +198,16 @@ RECIPES = [
            "arrives; without chunking it runs in one step, with chunking in 256-token pieces "
            "beside the decodes. Wall-clock medians of 3 runs, 1 torch thread. Log scale.",
            ["06_chunked_prefill/bench_chunked_prefill.py", "--plot", ""], plot_chunked_prefill),
+    Recipe("engine_kv_pool", "07_engine",
+           "The engine on a shared Mooncake pool: a second instance, and prefill/decode disaggregation",
+           "SmolLM2-135M-Instruct, dtype auto (bfloat16 here), KV blocks of 16 tokens, one Mooncake "
+           "master and pool client on loopback TCP. Pool: 16 requests sharing a 1,000-token system "
+           "prompt (+32 own tokens, 8 new) on a fresh instance, cold or loading the prefix another "
+           "instance published. P/D: 24 requests at 1/s (prompts 256-768 tokens, 32-64 new) on one "
+           "instance with both cores, or a prefill and a decode instance with one core each behind "
+           "the proxy.",
+           ["07_engine/bench_engine_kv_pool.py", "--pd", "--json", "docs/data/engine_kv_pool.json"],
+           plot_engine_kv_pool, timeout_s=1800),
     Recipe("engine_throughput", "07_engine",
            "The engine vs transformers' generate on the default model",
            "SmolLM2-135M-Instruct in bfloat16 on the CPU, the same seeded serving-shaped workload for "
