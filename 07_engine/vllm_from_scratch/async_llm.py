@@ -23,7 +23,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+if TYPE_CHECKING:
+    from vllm_from_scratch.engine import LLMEngine, RequestOutput
+    from vllm_from_scratch.metrics import ServerMetrics
+    from vllm_from_scratch.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +50,8 @@ class _Stream:
 @dataclass
 class _Add:
     request_id: str
-    prompt: Any
-    params: Any
+    prompt: str | list[int]
+    params: SamplingParams
     priority: int
     stream: _Stream
     accepted: asyncio.Future = field(repr=False)
@@ -95,7 +100,7 @@ class AsyncLLM:
     leaves ``step()``, so the numbers do not include the HTTP side's scheduling jitter.
     """
 
-    def __init__(self, engine, metrics=None):
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None):
         self.engine = engine
         self.metrics = metrics
         self.stats: dict = dict(engine.get_stats())
@@ -123,7 +128,8 @@ class AsyncLLM:
 
     # ---- called from the asyncio side --------------------------------------------------------
 
-    async def add_request(self, request_id: str, prompt, params, priority: int = 0) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
         """Queue a request; returns once the engine accepted it (its ``ValueError`` if not)."""
         if not self.is_running:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
@@ -191,7 +197,7 @@ class AsyncLLM:
         if self.metrics is not None:
             self.metrics.request_finished("abort")
 
-    def _dispatch(self, outputs) -> None:
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -227,7 +233,7 @@ class AsyncLLM:
                 _resolve(command.stream.loop, command.accepted, exc)
 
 
-def _push(stream: _Stream, item) -> None:
+def _push(stream: _Stream, item: object) -> None:
     try:
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
     except RuntimeError:

@@ -37,12 +37,17 @@ metadata's ``max_seqlen_k`` is frozen at ``max_model_len``, an upper bound.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from block_manager import cdiv
 from vllm_from_scratch.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 MAX_CAPTURE_SIZE = 512
 
@@ -95,17 +100,16 @@ class CUDAGraphRunner:
         self.max_bs = self.batch_sizes[-1]
         self.max_model_len = max_model_len
         self.max_num_blocks = cdiv(max_model_len, block_size)
-        kw = dict(device=device)
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.long, **kw)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.long, **kw)
-        self.slot_mapping = torch.full((self.max_bs,), -1, dtype=torch.long, **kw)
-        self.seq_lens_k = torch.ones(self.max_bs, dtype=torch.int32, **kw)
-        self.block_tables = torch.zeros(self.max_bs, self.max_num_blocks, dtype=torch.int32, **kw)
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.long, device=device)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((self.max_bs,), -1, dtype=torch.long, device=device)
+        self.seq_lens_k = torch.ones(self.max_bs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(self.max_bs, self.max_num_blocks, dtype=torch.int32, device=device)
         # One decode token per request: query offsets are simply 0, 1, 2, ...
-        self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=torch.int32, **kw)
-        self.hidden_states = torch.zeros(self.max_bs, hidden_size, dtype=dtype, **kw)
+        self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
+        self.hidden_states = torch.zeros(self.max_bs, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph | _EagerReplay] = {}
-        self.graph_pool = None
+        self.graph_pool: _POOL_HANDLE | None = None
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -125,7 +129,7 @@ class CUDAGraphRunner:
         """
         for bs in reversed(self.batch_sizes):
             if not self.use_cuda_graph:
-                self.graphs[bs] = _EagerReplay(lambda bs=bs: self._forward_into_buffers(bs))
+                self.graphs[bs] = _EagerReplay(functools.partial(self._forward_into_buffers, bs))
                 continue
             # A warm-up run first: lazy initialisations (cuBLAS handles, NCCL communicators,
             # Triton autotuning) must not happen inside the capture.

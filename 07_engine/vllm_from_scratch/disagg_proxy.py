@@ -21,7 +21,7 @@ import hmac
 import itertools
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import httpx
@@ -50,7 +50,7 @@ def build_proxy(prefill_urls: list[str], decode_urls: list[str], api_key: str | 
     client = httpx.AsyncClient(timeout=timeout_s, headers=backend_headers)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         try:
             yield
         finally:
@@ -59,7 +59,7 @@ def build_proxy(prefill_urls: list[str], decode_urls: list[str], api_key: str | 
     app = FastAPI(title="vllm-from-scratch disaggregation proxy", lifespan=lifespan)
 
     @app.middleware("http")
-    async def check_key(request: Request, call_next):
+    async def check_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         if api_key and request.url.path.startswith("/v1/"):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
@@ -93,12 +93,12 @@ def build_proxy(prefill_urls: list[str], decode_urls: list[str], api_key: str | 
         app.add_api_route(route, forward, methods=["POST"])
 
     @app.get("/v1/models")
-    async def models():
+    async def models() -> Response:
         reply = await client.get(next(decodes) + "/v1/models")
         return Response(reply.content, reply.status_code, media_type="application/json")
 
     @app.get("/health")
-    async def health():
+    async def health() -> Response:
         return Response(status_code=200)
 
     return app

@@ -52,6 +52,7 @@ import traceback
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -160,7 +161,7 @@ def _receive(control: dist.ProcessGroup) -> Any:
     return box[0]
 
 
-def _wait_for_workers(store: dist.Store, procs: list[mp.Process]) -> None:
+def _wait_for_workers(store: dist.Store, procs: list[BaseProcess]) -> None:
     """Wait until every worker reached the store, failing fast if one died while starting.
 
     A blocking ``init_process_group`` would instead wait out its whole timeout for a worker
@@ -181,7 +182,7 @@ def _wait_for_workers(store: dist.Store, procs: list[mp.Process]) -> None:
 class _GroupState:
     """What shutdown needs, kept apart from the executor so the finalizer does not keep it alive."""
 
-    def __init__(self, procs: list[mp.Process]):
+    def __init__(self, procs: list[BaseProcess]):
         self.procs = procs
         self.control: dist.ProcessGroup | None = None
         self.closed = False
@@ -264,7 +265,7 @@ class TensorParallelExecutor:
         store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker_main, name=f"vllm-fs-tp-rank{rank}", daemon=True,
+        procs: list[BaseProcess] = [ctx.Process(target=_worker_main, name=f"vllm-fs-tp-rank{rank}", daemon=True,
                              args=(runner_factory, rank, world_size, store.port, device))
                  for rank in range(1, world_size)]
         self._state = _GroupState(procs)
@@ -290,7 +291,7 @@ class TensorParallelExecutor:
 
     @property
     def worker_pids(self) -> list[int]:
-        return [p.pid for p in self._state.procs]
+        return [p.pid for p in self._state.procs if p.pid is not None]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``runner.method(*args, **kwargs)`` on every rank; return rank 0's result.
@@ -330,6 +331,9 @@ def gather_to_first_rank(x: torch.Tensor, tp_rank: int, tp_size: int, dim: int =
     if tp_size == 1:
         return x
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(tp_size)] if tp_rank == 0 else None
+    if tp_rank != 0:
+        dist.gather(x, None, group=group, group_dst=0)
+        return None
+    parts = [torch.empty_like(x) for _ in range(tp_size)]
     dist.gather(x, parts, group=group, group_dst=0)
-    return torch.cat(parts, dim=dim) if tp_rank == 0 else None
+    return torch.cat(parts, dim=dim)

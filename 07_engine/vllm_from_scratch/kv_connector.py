@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from global_kv_pool import EmbeddedKVPool, GlobalKVPool, KVPoolBackend, MooncakeKVPool
+from prefix_block_manager import PrefixCachingBlockManager
 from scheduler import Request, SchedulerOutput
 from vllm_from_scratch.config import EngineConfig, KVTransferConfig
 
@@ -80,6 +81,7 @@ class KVConnectorWorker:
     """A rank's side: loads into and saves from its paged KV cache through the pool."""
 
     def __init__(self, config: EngineConfig, tp_rank: int, kv_cache: torch.Tensor):
+        assert config.kv_transfer is not None, "a worker is only made for an engine with a kv_transfer_config"
         self.transfer = config.kv_transfer
         self.pool = GlobalKVPool(make_backend(self.transfer), pool_namespace(config, tp_rank),
                                  config.kvcache_block_size)
@@ -128,7 +130,8 @@ class KVConnectorScheduler:
         worker: rank 0's :class:`KVConnectorWorker` (this process's), whose pool answers queries.
     """
 
-    def __init__(self, transfer: KVTransferConfig, block_manager, worker: KVConnectorWorker):
+    def __init__(self, transfer: KVTransferConfig, block_manager: PrefixCachingBlockManager,
+                 worker: KVConnectorWorker):
         self.transfer = transfer
         self.block_manager = block_manager
         self.worker = worker

@@ -67,14 +67,14 @@ class EngineStatsCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         stats = self.get_stats()
         for name, key, doc in GAUGES:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(stats.get(key, 0)))
-            yield family
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield gauge
         pool = KV_POOL_COUNTERS if "kv_pool_hit_tokens" in stats else ()
         for name, key, doc in COUNTERS + pool:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(stats.get(key, 0)))
-            yield family
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield counter
 
 
 class ServerMetrics:

@@ -53,6 +53,7 @@ class PagedDraftModel:
         seqs = [self._take(key, ids, batch_keys=keys) for ids, key in zip(token_ids_list, keys)]
         info = SchedulerInfo.from_sequences(seqs, [s.num_tokens - s.num_computed_tokens for s in seqs])
         logits = self.runner.compute_logits(build_batch_inputs(info, self.block_size, self.runner.device))
+        assert logits is not None, "a draft model runs on one rank, which always gets the logits"
         for seq in seqs:
             seq.num_computed_tokens = seq.num_tokens
         return logits
@@ -93,6 +94,8 @@ class DraftProposer:
 
     def __init__(self, config: EngineConfig, num_target_blocks: int):
         spec = config.speculative
+        if spec is None:
+            raise ValueError("DraftProposer needs an engine config with a speculative_config")
         self.k = spec.num_speculative_tokens
         self.method = spec.method
         if spec.method == "ngram":
@@ -101,6 +104,7 @@ class DraftProposer:
             self.proposer = DraftModelProposer(PagedDraftModel(self._draft_runner(config, spec, num_target_blocks)))
 
     def _draft_runner(self, config: EngineConfig, spec: SpeculativeConfig, num_target_blocks: int) -> ModelRunner:
+        assert spec.model is not None, "SpeculativeConfig requires a model for draft_model"
         per_request = cdiv(self.k + 1, config.kvcache_block_size) + 1
         draft_config = EngineConfig(
             spec.model, device=str(config.torch_device), dtype=str(config.torch_dtype).removeprefix("torch."),
