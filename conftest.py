@@ -33,8 +33,14 @@ def save_tiny_checkpoint(path, arch: str = "llama", seed: int = 0, **overrides) 
     decoding is not a constant token and Qwen2's q/k/v biases matter.
     There is no tokenizer: prompts are token ids below ``vocab_size``.
     """
-    from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -29,8 +29,7 @@ import torch
 from flash_attention import FLASH_BLOCK_MULTIPLE, HAS_FLASH_ATTN, flash_decode, flash_varlen
 from paged_attention import paged_attention_decode, paged_attention_varlen
 from paged_attention_cpu import cpu_kernel_available, paged_attention_decode_cpu, supports
-from paged_attention_triton import (HAS_TRITON, INTERPRETED, paged_attention_decode_triton,
-                                    paged_attention_varlen_triton)
+from paged_attention_triton import HAS_TRITON, INTERPRETED, paged_attention_decode_triton, paged_attention_varlen_triton
 
 BACKENDS = ("auto", "flash", "triton", "cpp", "torch")
 

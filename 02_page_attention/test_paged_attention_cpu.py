@@ -17,8 +17,16 @@ import pytest
 import torch
 
 from paged_attention import paged_attention_decode, paged_attention_varlen
-from paged_attention_cpu import (HEAD_DIMS, build_key, cache_dir, compile_flags, cpu_kernel_available, is_cached,
-                                 kernel_path, paged_attention_decode_cpu)
+from paged_attention_cpu import (
+    HEAD_DIMS,
+    build_key,
+    cache_dir,
+    compile_flags,
+    cpu_kernel_available,
+    is_cached,
+    kernel_path,
+    paged_attention_decode_cpu,
+)
 from test_paged_attention import TOL, assert_each_sequence_matches_dense, build_paged, decode_batch
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel_available(), reason="the C++ kernel could not be built here "

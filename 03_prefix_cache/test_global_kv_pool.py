@@ -9,8 +9,15 @@ import warnings
 import pytest
 import torch
 
-from global_kv_pool import (EmbeddedKVPool, GlobalKVPool, KVBlockCorrupt, KVPoolBackend, KVPoolError,
-                            deserialize_block, serialize_block)
+from global_kv_pool import (
+    EmbeddedKVPool,
+    GlobalKVPool,
+    KVBlockCorrupt,
+    KVPoolBackend,
+    KVPoolError,
+    deserialize_block,
+    serialize_block,
+)
 from kv_pool_peer import MiniEngine, prompt_tokens
 from sequence import Sequence
 

@@ -58,7 +58,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 5  # the README listing's name for FINISHED_LENGTH (same member)
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         return status >= RequestStatus.FINISHED_STOPPED
 
 

@@ -92,6 +92,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
+
     from vllm_from_scratch.default_model import default_model_dir
 
     hf_logging.set_verbosity_error()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+
 import torch
 
 # Part 1 runs the Triton sampler; without a GPU only Triton's interpreter can. Triton reads this
@@ -23,10 +24,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from rejection_sampler_triton import rejection_sample_triton  # noqa: E402
 from bench_spec_decode import WORKLOADS, chat_prompt_ids, timed_generate  # noqa: E402
-from spec_decode import (num_accepted_tokens, rejection_sample, sample_rejection_noise,  # noqa: E402
-                         speculative_generate)
+from rejection_sampler_triton import rejection_sample_triton  # noqa: E402
+from spec_decode import num_accepted_tokens, rejection_sample, sample_rejection_noise, speculative_generate  # noqa: E402
+
 
 def toy_sampler(num_rows: int, seed: int) -> None:
     print(f"1) rejection sampler, vocab 6, k=2, {num_rows:,} independent steps")
@@ -66,9 +67,9 @@ def compare(name: str, target, proposer, prompt, max_new: int, k: int, baseline)
 def real_models(max_new: int, k: int, draft_layers: int, draft_tokens: int) -> None:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
-    from vllm_from_scratch.default_model import default_model_dir
 
     from proposers import DraftModelProposer, HFCausalLM, NgramProposer, make_truncated_draft
+    from vllm_from_scratch.default_model import default_model_dir
 
     hf_logging.set_verbosity_error()
     model_dir = default_model_dir()

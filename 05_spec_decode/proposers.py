@@ -19,9 +19,9 @@ and runs them in one forward.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch

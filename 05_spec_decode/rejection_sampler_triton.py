@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from triton_setup import tl, triton  # before any other triton import
 from spec_decode import PLACEHOLDER_TOKEN_ID, RejectionNoise, sample_rejection_noise, validate_rejection_inputs
+from triton_setup import tl, triton  # before any other triton import
 
 
 @triton.jit

@@ -22,8 +22,9 @@ Around the sampler: :func:`draft_generate`, :func:`verify_and_sample` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 

@@ -4,10 +4,16 @@ import pytest
 import torch
 
 from rejection_sampler_triton import rejection_sample_triton
-from spec_decode import (RejectionNoise, num_accepted_tokens, one_hot_draft_probs,
-                         pad_draft_token_ids, probs_from_logits, rejection_sample,
-                         rejection_sampling_batched, sample_rejection_noise)
-
+from spec_decode import (
+    RejectionNoise,
+    num_accepted_tokens,
+    one_hot_draft_probs,
+    pad_draft_token_ids,
+    probs_from_logits,
+    rejection_sample,
+    rejection_sampling_batched,
+    sample_rejection_noise,
+)
 
 
 def _case(B, K, V, seed, sharpness=2.0, device="cpu"):

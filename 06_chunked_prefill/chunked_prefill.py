@@ -120,7 +120,7 @@ class SchedulerInfo:
         self.prefill_batch += not is_decoding
 
     @classmethod
-    def from_scheduler_output(cls, out: SchedulerOutput) -> "SchedulerInfo":
+    def from_scheduler_output(cls, out: SchedulerOutput) -> SchedulerInfo:
         """Describe ``out`` (call it between ``schedule()`` and ``update_from_output()``)."""
         info = cls()
         for req in out.scheduled_requests:
@@ -131,7 +131,7 @@ class SchedulerInfo:
         return info
 
     @classmethod
-    def from_sequences(cls, seqs: list[Sequence], num_new_tokens: list[int]) -> "SchedulerInfo":
+    def from_sequences(cls, seqs: list[Sequence], num_new_tokens: list[int]) -> SchedulerInfo:
         """Describe sequences without a scheduler: ``num_new_tokens[i]`` tokens of ``seqs[i]``
         from its ``num_computed_tokens`` on, sampling when they reach its last token."""
         info = cls()

@@ -26,9 +26,9 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import matplotlib
 
@@ -228,7 +228,7 @@ def machine() -> str:
         gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     except ImportError:
         gpu = "torch missing"
-    load = ", load average {:.1f}".format(os.getloadavg()[0]) if hasattr(os, "getloadavg") else ""
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
     return f"{platform.machine()}, {os.cpu_count()} CPU cores, {gpu}, Python {platform.python_version()}{load}"
 
 

@@ -25,9 +25,9 @@ import argparse
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from tqdm import tqdm
 

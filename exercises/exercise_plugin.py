@@ -35,11 +35,11 @@ import importlib.util
 import inspect
 import os
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomllib
 
 EXERCISES_DIR = Path(__file__).resolve().parent
 ROOT = EXERCISES_DIR.parent

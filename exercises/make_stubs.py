@@ -20,12 +20,13 @@ import ast
 import importlib
 import inspect
 import re
+import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 import exercise_plugin as ep
+import tomllib
 
 
 def readme_anchor(ex: ep.Exercise) -> str:
@@ -150,8 +151,29 @@ def file_source(chapter: str, stub_file: str, exercises: list[ep.Exercise], hint
         imports += _own_names(modules, funcs)
     for ex in exercises:
         imports += extra_imports.get(ex.id, [])
-    head += list(dict.fromkeys(imports))
-    return "\n".join(head) + "\n\n\n" + "\n\n".join(funcs)
+    defined = {ex.stub_name for ex in exercises}
+    head += [line for line in dict.fromkeys(_without(imp, defined) for imp in imports) if line]
+    return ruff_clean("\n".join(head) + "\n\n\n" + "\n\n".join(funcs), Path(chapter) / stub_file)
+
+
+def _without(import_line: str, names: set[str]) -> str:
+    """``import_line`` minus the names this stub file defines itself (its definitions would
+    shadow them); empty if nothing is left."""
+    node = ast.parse(import_line).body[0]
+    if not isinstance(node, ast.ImportFrom) or not any(a.name in names for a in node.names):
+        return import_line
+    kept = [a.name + (f" as {a.asname}" if a.asname else "") for a in node.names if (a.asname or a.name) not in names]
+    return f"from {node.module} import {', '.join(kept)}" if kept else ""
+
+
+def ruff_clean(text: str, rel: Path) -> str:
+    """``text`` with its imports sorted and formatted as ``ruff`` (pyproject.toml) wants, so a
+    stub passes the repository's lint and format checks as written."""
+    filename = str(ep.EXERCISES_DIR / rel)
+    for cmd in (["check", "--fix", "--select", "I", "--quiet", "--exit-zero"], ["format", "--quiet"]):
+        text = subprocess.run([sys.executable, "-m", "ruff", *cmd, "--stdin-filename", filename, "-"],
+                              input=text, capture_output=True, text=True, check=True, cwd=ep.ROOT).stdout
+    return text
 
 
 def registry_extras(chapter_dir: Path) -> tuple[dict[str, str], dict[str, list[str]]]:

@@ -22,9 +22,9 @@ import ast
 import json
 import posixpath
 import re
-import tomllib
 from pathlib import Path
 
+import tomllib
 from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,10 +7,12 @@ the chapter's own; see exercises/README.md for how your function is put in place
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from sequence import Sequence, cdiv
 
 
-def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: Collection[int] = ()) -> bool:
     """Extend ``seq.block_table`` to cover ``num_new_tokens`` more tokens.
 
     ``computed_blocks`` (from :meth:`get_computed_blocks`) are attached first; the caller then
@@ -26,7 +28,9 @@ def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: li
 
     Checked by: pytest 01_paged_kv/ --impl=student --exercise 01.1
     """
-    raise NotImplementedError("Exercise 01.1: implement BlockManager.allocate_slots — see 01_paged_kv/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 01.1: implement BlockManager.allocate_slots — see 01_paged_kv/README.md#exercises"
+    )
 
 
 def free(self, seq: Sequence) -> None:
@@ -57,4 +61,6 @@ def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
 
     Checked by: pytest 01_paged_kv/ --impl=student --exercise 01.3
     """
-    raise NotImplementedError("Exercise 01.3: implement BlockManager.slot_mapping — see 01_paged_kv/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 01.3: implement BlockManager.slot_mapping — see 01_paged_kv/README.md#exercises"
+    )

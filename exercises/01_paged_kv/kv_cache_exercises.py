@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def build_slot_mapping(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int,
-                       seq_ids: torch.Tensor | None = None) -> torch.Tensor:
+def build_slot_mapping(
+    block_tables: torch.Tensor, positions: torch.Tensor, block_size: int, seq_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Slots of token ``positions`` given each sequence's block table, without a Python loop.
 
     Args:

@@ -8,11 +8,13 @@ the chapter's own; see exercises/README.md for how your function is put in place
 from __future__ import annotations
 
 import torch
+
 from store_kvcache import _check_args
 
 
-def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kvcache_torch(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Scatter ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` into the slots ``slot_mapping``.
 
     ``k_cache``/``v_cache`` are one layer's ``[num_blocks, block_size, kv_heads, head_dim]``

@@ -8,10 +8,10 @@ the chapter's own; see exercises/README.md for how your function is put in place
 from __future__ import annotations
 
 import torch
-from block_manager import cdiv
 import torch.nn.functional as F
-from paged_attention import _check_capacity, _check_gqa, _check_paged_args, gather_kv
-from paged_attention import _check_capacity, _check_gqa, _check_paged_args, gather_kv, paged_attention_decode
+
+from block_manager import cdiv
+from paged_attention import _check_capacity, _check_gqa, _check_paged_args
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -29,9 +29,15 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> 
     raise NotImplementedError("Exercise 02.1: implement gather_kv — see 02_page_attention/README.md#exercises")
 
 
-def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           max_len: int | None = None) -> torch.Tensor:
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_len: int | None = None,
+) -> torch.Tensor:
     """One query token per sequence attending to its whole context in the paged cache.
 
     Args:
@@ -55,12 +61,22 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Checked by: pytest 02_page_attention/ --impl=student --exercise 02.2
     """
-    raise NotImplementedError("Exercise 02.2: implement paged_attention_decode — see 02_page_attention/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 02.2: implement paged_attention_decode — see 02_page_attention/README.md#exercises"
+    )
 
 
-def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_tables: torch.Tensor,
-                           scale: float, causal: bool = True, decode=None) -> torch.Tensor:
+def paged_attention_varlen(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    decode=None,
+) -> torch.Tensor:
     """Packed new tokens of ``B`` sequences attending to their cached context and to each other.
 
     Args:
@@ -83,4 +99,6 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Checked by: pytest 02_page_attention/ --impl=student --exercise 02.3
     """
-    raise NotImplementedError("Exercise 02.3: implement paged_attention_varlen — see 02_page_attention/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 02.3: implement paged_attention_varlen — see 02_page_attention/README.md#exercises"
+    )

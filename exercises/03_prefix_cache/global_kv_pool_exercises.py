@@ -7,16 +7,18 @@ the chapter's own; see exercises/README.md for how your function is put in place
 
 from __future__ import annotations
 
-import torch
-from prefix_cache_local import BlockHash
 import json
+
+import torch
 import xxhash
-from global_kv_pool import MAGIC, KVBlockCorrupt, _HEADER_LEN
-from global_kv_pool import deserialize_block
+
+from global_kv_pool import _HEADER_LEN, MAGIC, KVBlockCorrupt
+from prefix_cache_local import BlockHash
 
 
-def deserialize_block(value: bytes, shape: tuple[int, ...], dtype: torch.dtype,
-                      token_ids: tuple[int, ...]) -> torch.Tensor:
+def deserialize_block(
+    value: bytes, shape: tuple[int, ...], dtype: torch.dtype, token_ids: tuple[int, ...]
+) -> torch.Tensor:
     """Parse and check a stored block; raise :class:`KVBlockCorrupt` unless it is exactly the
     block of ``token_ids`` with this ``shape`` and ``dtype``.
 
@@ -29,8 +31,13 @@ def deserialize_block(value: bytes, shape: tuple[int, ...], dtype: torch.dtype,
     raise NotImplementedError("Exercise 03.4a: implement deserialize_block — see 03_prefix_cache/README.md#exercises")
 
 
-def fetch(self, block_hashes: list[BlockHash], block_token_ids: list[tuple[int, ...]],
-          kv_cache: torch.Tensor, block_ids: list[int]) -> int:
+def fetch(
+    self,
+    block_hashes: list[BlockHash],
+    block_token_ids: list[tuple[int, ...]],
+    kv_cache: torch.Tensor,
+    block_ids: list[int],
+) -> int:
     """Load the leading blocks of the chain into ``kv_cache[:, :, block_ids[i]]``.
 
     Returns how many blocks were loaded: all of them, or fewer when a block is missing or

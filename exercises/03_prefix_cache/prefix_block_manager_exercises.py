@@ -27,7 +27,9 @@ def get_computed_blocks(self, seq: Sequence) -> list[int]:
 
     Checked by: pytest 03_prefix_cache/ --impl=student --exercise 03.2
     """
-    raise NotImplementedError("Exercise 03.2: implement PrefixCachingBlockManager.get_computed_blocks — see 03_prefix_cache/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 03.2: implement PrefixCachingBlockManager.get_computed_blocks — see 03_prefix_cache/README.md#exercises"
+    )
 
 
 def cache_full_blocks(self, seq: Sequence) -> None:
@@ -46,7 +48,9 @@ def cache_full_blocks(self, seq: Sequence) -> None:
 
     Checked by: pytest 03_prefix_cache/ --impl=student --exercise 03.3a
     """
-    raise NotImplementedError("Exercise 03.3a: implement PrefixCachingBlockManager.cache_full_blocks — see 03_prefix_cache/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 03.3a: implement PrefixCachingBlockManager.cache_full_blocks — see 03_prefix_cache/README.md#exercises"
+    )
 
 
 def _allocate_block(self) -> Block:
@@ -62,4 +66,6 @@ def _allocate_block(self) -> Block:
 
     Checked by: pytest 03_prefix_cache/ --impl=student --exercise 03.3b
     """
-    raise NotImplementedError("Exercise 03.3b: implement PrefixCachingBlockManager._allocate_block — see 03_prefix_cache/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 03.3b: implement PrefixCachingBlockManager._allocate_block — see 03_prefix_cache/README.md#exercises"
+    )

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence as SequenceABC
+
 import xxhash
-from prefix_cache_local import CachedBlock
-from prefix_cache_local import NONE_HASH, BlockHash, _encode_extra_keys
+
+from prefix_cache_local import NONE_HASH, BlockHash, CachedBlock, _encode_extra_keys
 
 
-def compute_block_hash(parent_hash: BlockHash | None, token_ids: SequenceABC[int],
-                       extra_keys: tuple | None = None) -> BlockHash:
+def compute_block_hash(
+    parent_hash: BlockHash | None, token_ids: SequenceABC[int], extra_keys: tuple | None = None
+) -> BlockHash:
     """Hash one full block: ``xxh3_128(parent_hash || n || token ids as int64 || extra keys)``.
 
     The parent hash chains the block to its whole prefix; ``None`` means "first block" and uses
@@ -31,8 +33,9 @@ def compute_block_hash(parent_hash: BlockHash | None, token_ids: SequenceABC[int
     raise NotImplementedError("Exercise 03.1: implement compute_block_hash — see 03_prefix_cache/README.md#exercises")
 
 
-def match_prefix(self, token_ids: list[int], extra_keys: tuple | None = None,
-                 cache_salt: str | None = None) -> tuple[list[CachedBlock], int]:
+def match_prefix(
+    self, token_ids: list[int], extra_keys: tuple | None = None, cache_salt: str | None = None
+) -> tuple[list[CachedBlock], int]:
     """The cached blocks holding the longest prefix of ``token_ids``, and its token count.
 
     A lookup only: it refreshes the LRU position of the hits but takes no reference
@@ -45,4 +48,6 @@ def match_prefix(self, token_ids: list[int], extra_keys: tuple | None = None,
 
     Checked by: pytest 03_prefix_cache/ --impl=student --exercise 03.6
     """
-    raise NotImplementedError("Exercise 03.6: implement PrefixCacheLocal.match_prefix — see 03_prefix_cache/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 03.6: implement PrefixCacheLocal.match_prefix — see 03_prefix_cache/README.md#exercises"
+    )

@@ -22,7 +22,9 @@ def _select_victim(self) -> Request:
 
     Checked by: pytest 04_scheduler/ --impl=student --exercise 04.1
     """
-    raise NotImplementedError("Exercise 04.1: implement Scheduler._select_victim — see 04_scheduler/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 04.1: implement Scheduler._select_victim — see 04_scheduler/README.md#exercises"
+    )
 
 
 def _preempt(self, req: Request) -> None:
@@ -51,7 +53,9 @@ def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> tuple[list[Req
 
     Checked by: pytest 04_scheduler/ --impl=student --exercise 04.3
     """
-    raise NotImplementedError("Exercise 04.3: implement Scheduler._schedule_waiting — see 04_scheduler/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 04.3: implement Scheduler._schedule_waiting — see 04_scheduler/README.md#exercises"
+    )
 
 
 def _admit(self, req: Request, budget: int) -> int:

@@ -7,9 +7,10 @@ the chapter's own; see exercises/README.md for how your function is put in place
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import Protocol, Sequence
+from collections.abc import Hashable, Sequence
+
 import torch
+
 from proposers import common_prefix_len
 
 
@@ -24,7 +25,9 @@ def propose_one(self, token_ids: Sequence[int], k: int) -> list[int]:
 
     Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.4
     """
-    raise NotImplementedError("Exercise 05.4: implement NgramProposer.propose_one — see 05_spec_decode/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 05.4: implement NgramProposer.propose_one — see 05_spec_decode/README.md#exercises"
+    )
 
 
 def get_logits(self, token_ids: Sequence[int], num_logits: int = 1, slot: Hashable = 0) -> torch.Tensor:

@@ -8,15 +8,21 @@ the chapter's own; see exercises/README.md for how your function is put in place
 from __future__ import annotations
 
 import torch
-from spec_decode import PLACEHOLDER_TOKEN_ID, RejectionNoise, sample_rejection_noise, validate_rejection_inputs
 import triton
 import triton.language as tl
 
+from spec_decode import PLACEHOLDER_TOKEN_ID, RejectionNoise, sample_rejection_noise, validate_rejection_inputs
 
-def rejection_sample_triton(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-                            target_probs: torch.Tensor, generator: torch.Generator | None = None,
-                            *, noise: RejectionNoise | None = None,
-                            block_v: int = 1024) -> torch.Tensor:
+
+def rejection_sample_triton(
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    noise: RejectionNoise | None = None,
+    block_v: int = 1024,
+) -> torch.Tensor:
     """Triton twin of :func:`spec_decode.rejection_sample` (same arguments, same result).
 
     ``block_v`` is the vocabulary chunk a program streams at a time (a power of two).
@@ -28,4 +34,6 @@ def rejection_sample_triton(draft_token_ids: torch.Tensor, draft_probs: torch.Te
 
     Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.3
     """
-    raise NotImplementedError("Exercise 05.3: implement rejection_sample_triton — see 05_spec_decode/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 05.3: implement rejection_sample_triton — see 05_spec_decode/README.md#exercises"
+    )

@@ -8,14 +8,18 @@ the chapter's own; see exercises/README.md for how your function is put in place
 from __future__ import annotations
 
 import torch
-from spec_decode import RejectionNoise
-from spec_decode import PLACEHOLDER_TOKEN_ID, sample_rejection_noise, validate_rejection_inputs
-from spec_decode import PLACEHOLDER_TOKEN_ID
+
+from spec_decode import PLACEHOLDER_TOKEN_ID, RejectionNoise, sample_rejection_noise, validate_rejection_inputs
 
 
-def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-                     target_probs: torch.Tensor, generator: torch.Generator | None = None,
-                     *, noise: RejectionNoise | None = None) -> torch.Tensor:
+def rejection_sample(
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    noise: RejectionNoise | None = None,
+) -> torch.Tensor:
     """Verify K drafts per request so that the emitted tokens follow ``target_probs`` exactly.
 
     Args:
@@ -43,9 +47,12 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
     raise NotImplementedError("Exercise 05.1: implement rejection_sample — see 05_spec_decode/README.md#exercises")
 
 
-def rejection_sampling_batched(target_sampled: torch.Tensor, draft_tokens: torch.Tensor,
-                               cu_num_logits: torch.Tensor, num_speculative_steps: int,
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+def rejection_sampling_batched(
+    target_sampled: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    num_speculative_steps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification over vLLM's flattened layout, vectorised: no loop over requests.
 
     Request r owns flat positions ``cu_num_logits[r] : cu_num_logits[r+1]`` (its drafts plus
@@ -62,4 +69,6 @@ def rejection_sampling_batched(target_sampled: torch.Tensor, draft_tokens: torch
 
     Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.7
     """
-    raise NotImplementedError("Exercise 05.7: implement rejection_sampling_batched — see 05_spec_decode/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 05.7: implement rejection_sampling_batched — see 05_spec_decode/README.md#exercises"
+    )

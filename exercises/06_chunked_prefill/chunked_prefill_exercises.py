@@ -8,8 +8,9 @@ the chapter's own; see exercises/README.md for how your function is put in place
 from __future__ import annotations
 
 import torch
-from scheduler import KVConnector, Request, Scheduler, SchedulerOutput
+
 from chunked_prefill import BatchInputs, SchedulerInfo
+from scheduler import KVConnector, Request, Scheduler, SchedulerOutput
 
 
 def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
@@ -24,7 +25,9 @@ def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
 
     Checked by: pytest 06_chunked_prefill/ --impl=student --exercise 06.1
     """
-    raise NotImplementedError("Exercise 06.1: implement ChunkedPrefillScheduler._num_new_tokens — see 06_chunked_prefill/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 06.1: implement ChunkedPrefillScheduler._num_new_tokens — see 06_chunked_prefill/README.md#exercises"
+    )
 
 
 def _running_order(self) -> list[Request]:
@@ -41,10 +44,12 @@ def _running_order(self) -> list[Request]:
 
     Checked by: pytest 06_chunked_prefill/ --impl=student --exercise 06.2
     """
-    raise NotImplementedError("Exercise 06.2: implement ChunkedPrefillScheduler._running_order — see 06_chunked_prefill/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 06.2: implement ChunkedPrefillScheduler._running_order — see 06_chunked_prefill/README.md#exercises"
+    )
 
 
-def from_scheduler_output(cls, out: SchedulerOutput) -> "SchedulerInfo":
+def from_scheduler_output(cls, out: SchedulerOutput) -> SchedulerInfo:
     """Describe ``out`` (call it between ``schedule()`` and ``update_from_output()``).
 
     Becomes ``SchedulerInfo.from_scheduler_output`` (a method: ``self`` is the SchedulerInfo).
@@ -55,7 +60,9 @@ def from_scheduler_output(cls, out: SchedulerOutput) -> "SchedulerInfo":
 
     Checked by: pytest 06_chunked_prefill/ --impl=student --exercise 06.3
     """
-    raise NotImplementedError("Exercise 06.3: implement SchedulerInfo.from_scheduler_output — see 06_chunked_prefill/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 06.3: implement SchedulerInfo.from_scheduler_output — see 06_chunked_prefill/README.md#exercises"
+    )
 
 
 def build_batch_inputs(info: SchedulerInfo, block_size: int, device: torch.device | str = "cpu") -> BatchInputs:
@@ -66,4 +73,6 @@ def build_batch_inputs(info: SchedulerInfo, block_size: int, device: torch.devic
 
     Checked by: pytest 06_chunked_prefill/ --impl=student --exercise 06.4
     """
-    raise NotImplementedError("Exercise 06.4: implement build_batch_inputs — see 06_chunked_prefill/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 06.4: implement build_batch_inputs — see 06_chunked_prefill/README.md#exercises"
+    )

@@ -8,6 +8,7 @@ the chapter's own; see exercises/README.md for how your function is put in place
 from __future__ import annotations
 
 import torch
+
 from vllm_from_scratch.layers.attention import AttentionMetadata
 
 
@@ -23,8 +24,7 @@ def capture_batch_sizes(max_num_seqs: int) -> list[int]:
     raise NotImplementedError("Exercise 07.T2a: implement capture_batch_sizes — see 07_engine/README.md#exercises")
 
 
-def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-        attn_metadata: AttentionMetadata) -> torch.Tensor:
+def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
     """Replay the decode forward of ``n`` requests; returns their ``[n, hidden]`` states.
 
     The returned tensor is a view of the graph's output buffer, valid until the next replay.

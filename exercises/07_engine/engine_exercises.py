@@ -8,7 +8,6 @@ the chapter's own; see exercises/README.md for how your function is put in place
 from __future__ import annotations
 
 
-
 def update(self, all_token_ids: list[int]) -> None:
     """Streaming text that never splits a character and cuts stop strings
 
@@ -21,4 +20,6 @@ def update(self, all_token_ids: list[int]) -> None:
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.5
     """
-    raise NotImplementedError("Exercise 07.5: implement IncrementalDetokenizer.update — see 07_engine/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 07.5: implement IncrementalDetokenizer.update — see 07_engine/README.md#exercises"
+    )

@@ -23,4 +23,6 @@ def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.3
     """
-    raise NotImplementedError("Exercise 07.3: implement QKVParallelLinear.weight_loader — see 07_engine/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 07.3: implement QKVParallelLinear.weight_loader — see 07_engine/README.md#exercises"
+    )

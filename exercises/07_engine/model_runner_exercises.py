@@ -8,13 +8,13 @@ the chapter's own; see exercises/README.md for how your function is put in place
 from __future__ import annotations
 
 import torch
+
 from chunked_prefill import BatchInputs, SchedulerInfo, build_batch_inputs
 from spec_decode import num_accepted_tokens, pad_draft_token_ids, rejection_sample
 from vllm_from_scratch.sampler import Sampler, SamplingTensors
 
 
-def verify_drafts(self, logits: torch.Tensor, sampling: SamplingTensors,
-                  info: SchedulerInfo) -> dict[str, list[int]]:
+def verify_drafts(self, logits: torch.Tensor, sampling: SamplingTensors, info: SchedulerInfo) -> dict[str, list[int]]:
     """Chapter 05's rejection sampling of every sampling request's drafts, in one call.
 
     Request ``i``'s ``k_i + 1`` logits rows become its target distributions ``[k_i + 1, V]``,

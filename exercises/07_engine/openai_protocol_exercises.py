@@ -7,7 +7,6 @@ the chapter's own; see exercises/README.md for how your function is put in place
 
 from __future__ import annotations
 
-from vllm_from_scratch.openai_protocol import APIError
 from vllm_from_scratch.openai_protocol import APIError, _SamplingFields
 
 
@@ -22,7 +21,9 @@ def check_supported_sampling(self) -> None:
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.S1a
     """
-    raise NotImplementedError("Exercise 07.S1a: implement _SamplingFields.check_supported — see 07_engine/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 07.S1a: implement _SamplingFields.check_supported — see 07_engine/README.md#exercises"
+    )
 
 
 def check_supported_completion(self) -> None:
@@ -36,4 +37,6 @@ def check_supported_completion(self) -> None:
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.S1b
     """
-    raise NotImplementedError("Exercise 07.S1b: implement CompletionRequest.check_supported — see 07_engine/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 07.S1b: implement CompletionRequest.check_supported — see 07_engine/README.md#exercises"
+    )

@@ -8,7 +8,6 @@ the chapter's own; see exercises/README.md for how your function is put in place
 from __future__ import annotations
 
 import torch
-from vllm_from_scratch.sampler import apply_top_k_top_p
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
@@ -26,8 +25,12 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps:
     raise NotImplementedError("Exercise 07.1: implement apply_top_k_top_p — see 07_engine/README.md#exercises")
 
 
-def compute_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor | None = None,
-                  top_ps: torch.Tensor | None = None) -> torch.Tensor:
+def compute_probs(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor | None = None,
+    top_ps: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The distribution each row samples from (one-hot on the argmax for greedy rows).
 
     Speculative decoding's rejection sampler needs these probabilities, not just a sample.
