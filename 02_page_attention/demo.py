@@ -16,6 +16,7 @@ Run: ``python 02_page_attention/demo.py`` (a few seconds on a 2-core CPU).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -136,13 +137,14 @@ def show_timing(args, g):
         k_cache, v_cache, bt, _, _ = build_paged_cache(kv_lens, hkv, d, bs, g)
         q = torch.randn(batch, hq, d, generator=g)
         lens = torch.tensor(kv_lens, dtype=torch.int32)
-        batched = time_it(lambda: paged_attention_decode(q, k_cache, v_cache, bt, lens, d ** -0.5), args.repeats)
-        loop = time_it(lambda: naive_decode_loop(q, k_cache, v_cache, bt, lens, d ** -0.5), args.repeats)
+        inputs = (q, k_cache, v_cache, bt, lens, d ** -0.5)
+        batched = time_it(functools.partial(paged_attention_decode, *inputs), args.repeats)
+        loop = time_it(functools.partial(naive_decode_loop, *inputs), args.repeats)
         reference = naive_decode_loop(q, k_cache, v_cache, bt, lens, d ** -0.5)
         diff = (paged_attention_decode(q, k_cache, v_cache, bt, lens, d ** -0.5) - reference).abs().max()
         row = f"  {batch:>5} {batched * 1e3:>13.3f} {loop * 1e3:>18.3f} {loop / batched:>8.1f}x"
         if cpp:
-            kernel = time_it(lambda: paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, d ** -0.5), args.repeats)
+            kernel = time_it(functools.partial(paged_attention_decode_cpu, *inputs), args.repeats)
             diff = max(diff, (paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, d ** -0.5) - reference).abs().max())
             row += f" {kernel * 1e3:>16.3f} {batched / kernel:>8.1f}x"
         print(row + f" {diff:>11.1e}")
@@ -164,7 +166,7 @@ def show_varlen_timing(args, g):
         q = torch.randn(sum(q_lens), hq, d, generator=g)
         cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
         lens = torch.tensor(kv_lens, dtype=torch.int32)
-        run = lambda: paged_attention_varlen(q, k_cache, v_cache, cu, lens, bt, d ** -0.5)  # noqa: E731
+        run = functools.partial(paged_attention_varlen, q, k_cache, v_cache, cu, lens, bt, d ** -0.5)
         elapsed = time_it(run, args.repeats)
         err = max((run()[cu[b]:cu[b + 1]] - dense_attention_reference(q[cu[b]:cu[b + 1]], ks[b], vs[b],
                                                                         scale=d ** -0.5)).abs().max().item()

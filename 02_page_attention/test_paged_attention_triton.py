@@ -71,7 +71,7 @@ def test_odd_block_size_and_head_dim_and_garbage_table_entries():
     q_var = torch.randn(sum(q_lens), hq, d, generator=g)
     cu = _cu(q_lens)
     out_var = paged_attention_varlen_triton(q_var, k_cache, v_cache, cu, lens, bt, d ** -0.5)
-    for b, n in enumerate(kv_lens):
+    for b in range(len(kv_lens)):
         ref = dense_attention_reference(q_dec[b:b + 1], ks[b], vs[b], scale=d ** -0.5)
         torch.testing.assert_close(out_dec[b:b + 1], ref, **TOL[torch.float32])
         ref = dense_attention_reference(q_var[cu[b]:cu[b + 1]], ks[b], vs[b], scale=d ** -0.5)

@@ -149,7 +149,7 @@ def main() -> None:
         run = run_embedded
     else:
         print("2) two engine processes through a Mooncake store (mooncake_master + mooncake_client "
-              "on loopback);\n   A serves requests 1..%d and exits, then B serves the rest with a cold local cache" % half)
+              f"on loopback);\n   A serves requests 1..{half} and exits, then B serves the rest with a cold local cache")
         run = run_two_processes
     t0 = time.perf_counter()
     a, b = run(prompts[:half], prompts[half:], args)

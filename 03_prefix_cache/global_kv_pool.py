@@ -109,7 +109,7 @@ class KVPoolBackend(ABC):
     def exists_many(self, keys: list[str]) -> list[bool]:
         """Presence of each key; raise :class:`KVPoolError` if the store cannot answer."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (optional: a backend holding nothing need not override it)
         """Release connections and memory."""
 
 

@@ -106,10 +106,10 @@ class MiniEngine:
         block_tables = torch.tensor([seq.block_table], dtype=torch.int32)
         context_lens = torch.tensor([seq.num_tokens], dtype=torch.int32)
         m = self.model
-        return torch.stack([paged_attention_decode(m.queries[l][None].to(m.dtype), self.kv_cache[0, l],
-                                                   self.kv_cache[1, l], block_tables, context_lens,
+        return torch.stack([paged_attention_decode(m.queries[layer][None].to(m.dtype), self.kv_cache[0, layer],
+                                                   self.kv_cache[1, layer], block_tables, context_lens,
                                                    m.head_dim ** -0.5)[0]
-                            for l in range(m.num_layers)])
+                            for layer in range(m.num_layers)])
 
     def gather_kv(self, seq: Sequence) -> torch.Tensor:
         """The prompt's K/V ``[2, layers, tokens, kv_heads, head_dim]`` read through its block table."""

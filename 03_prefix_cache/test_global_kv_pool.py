@@ -49,7 +49,7 @@ def test_deserialize_rejects_every_corruption():
     kv = torch.randn(2, 1, BS, 1, 4)
     tokens = tuple(range(BS))
     value = serialize_block(kv, tokens)
-    for name, bad in _corruptions(value).items():
+    for bad in _corruptions(value).values():
         with pytest.raises(KVBlockCorrupt):
             deserialize_block(bad, tuple(kv.shape), kv.dtype, tokens)
     with pytest.raises(KVBlockCorrupt, match="token_ids"):

@@ -251,7 +251,7 @@ def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, 
         sampled = model.execute(out)
         if out.scheduled_requests and rng.random() < p_abort:  # a client leaves mid-step
             res.num_aborted += sched.abort_request(rng.choice(out.scheduled_requests).request_id)
-        for rid, toks in sampled.items():
+        for toks in sampled.values():
             res.num_spec_accepted += len(toks) - 1
         sched.update_from_output(out, sampled)
         sched.check_invariants()

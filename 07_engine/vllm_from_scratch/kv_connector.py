@@ -172,7 +172,7 @@ class KVConnectorScheduler:
     def take_pending_loads(self) -> list[BlockTransfer]:
         """The loads promised at the last admissions, as block transfers for the workers."""
         loads = []
-        for rid, (req, num_tokens) in self._pending.items():
+        for req, num_tokens in self._pending.values():
             first = req.num_computed_tokens // self.block_size
             loads.append(self._transfer(req, first, first + num_tokens // self.block_size))
         self._pending = {}

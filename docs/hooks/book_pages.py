@@ -299,7 +299,7 @@ def on_page_markdown(markdown, page, config, files):
     for marker, make in GENERATED.items():
         pattern = re.compile(rf"^{re.escape(marker)}[ \t]*$", re.M)
         if pattern.search(markdown):
-            markdown = pattern.sub(lambda _: make(), markdown)
+            markdown = pattern.sub(lambda _, make=make: make(), markdown)
     return markdown
 
 
