@@ -2,8 +2,8 @@
 
     python 07_engine/load_generator.py --num-requests 32 --request-rate 2
 
-Seed 003's ``user.py`` simulated users sending requests to the engine; this is the same idea
-against the real HTTP server, measured the way ``vllm bench serve`` measures it:
+Simulated users sending requests to the real HTTP server, measured the way ``vllm bench
+serve`` measures it:
 
 * requests arrive as a Poisson process at ``--request-rate`` per second (``inf``: all at once),
   optionally capped at ``--max-concurrency`` in flight;
