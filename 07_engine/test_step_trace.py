@@ -323,7 +323,7 @@ def test_each_chapter_demo_traces_its_idea_in_the_real_engine(chapter, tmp_path)
     DEMOS[chapter]([r for r in records(path) if r["type"] == "step"])
 
 
-@pytest.mark.parametrize("script", ["docs/make_screenshots.py"])
+@pytest.mark.parametrize("script", ["07_engine/bench_step_trace.py", "docs/make_screenshots.py"])
 def test_the_trace_scripts_have_help(script):
     out = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "usage:" in out.stdout, out.stderr[-2000:]
