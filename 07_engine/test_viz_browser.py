@@ -58,7 +58,9 @@ def browser():
 
 @pytest.fixture
 def open_page(browser):
-    """Open a URL; returns (page, errors) where errors collects console errors and page errors."""
+    """Open a URL; returns (page, errors) where errors collects console errors and page errors.
+    A page from a file is opened offline, as in a classroom without a network: any request it
+    makes beyond its own file is an error too."""
     contexts = []
 
     def _open(url: str, headers: dict | None = None, wait_ready: bool = True):
@@ -68,6 +70,10 @@ def open_page(browser):
         errors: list[str] = []
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: errors.append(str(e)))
+        if url.startswith("file:"):
+            context.set_offline(True)
+            page.on("request", lambda r: None if r.url == url or r.url.startswith(("data:", "blob:"))
+                    else errors.append(f"the offline page asked for {r.url}"))
         page.goto(url)
         if wait_ready:
             page.wait_for_function("document.body.dataset.ready === '1'", timeout=20_000)
