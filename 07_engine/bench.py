@@ -19,6 +19,17 @@ cost, not extra throughput. Both sides run in this process with the same ``torch
 (``--threads``); the machine's load average is printed with the table, because other processes
 on a shared CPU slow both sides, and not always equally. ``--json PATH`` also writes the table
 (and the workload, threads and load) for the docs' figures.
+
+``--peer vllm`` adds vLLM's CPU build on the same workload (same prompts and output lengths,
+greedy, ignore_eos, the engine's dtype), run by ``vllm_peer_runner.py`` in vLLM's own virtualenv
+(``07_engine/make_vllm_venv.sh`` builds it): once at vLLM's defaults, which bind one core for
+compute and reserve the other for its front end, and once with every usable core bound. The
+ratio column ``vs vLLM`` is taken against the better of the two. ``--single-stream`` replaces the
+workload with one 248-token prompt and 128 new tokens (transformers at batch 1).
+
+``--quiet-below LOAD`` waits, before every timed run, until the 1-minute load average is below
+LOAD (others' jobs share the cores); after ``--quiet-timeout-min`` minutes of waiting in all it
+stops waiting and measures anyway, and the table marks those rows.
 """
 
 from __future__ import annotations
@@ -28,10 +39,18 @@ import json
 import os
 import platform
 import random
+import subprocess
 import tempfile
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+HERE = Path(__file__).resolve().parent
+VLLM_VENV = HERE.parent / ".venv-vllm"
+# The CPU features that decide which dtype is fast (bf16 in hardware or emulated).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
 def make_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int], vocab: int, seed: int):
@@ -41,22 +60,36 @@ def make_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int],
     return prompts, outputs
 
 
-def bench_engine(model_dir: str, prompts, outputs, temperature: float, **engine_kwargs) -> float:
+def bench_engine(model_dir: str, prompts, outputs, temperature: float, watch: LoadWatch | None = None,
+                 more_workloads: list | None = None, **engine_kwargs) -> tuple[list[float], float]:
+    """The engine's output tok/s on the workload after a 4-token request, then on each of
+    ``more_workloads`` ((prompts, outputs) pairs) in the same engine; and its start-up seconds
+    (model load and, unless ``warm_up=False``, the start-up warm-up)."""
     from vllm_from_scratch import LLM, SamplingParams
 
-    llm = LLM(model_dir, **engine_kwargs)
-    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=i)
-              for i, m in enumerate(outputs)]
+    watch = watch or LoadWatch()
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - start
-    assert [len(o["token_ids"]) for o in outs] == list(outputs)
+    llm = LLM(model_dir, **engine_kwargs)
+    startup_s = time.perf_counter() - start
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # as vllm_peer_runner does
+    rates = []
+    for batch_prompts, batch_outputs in [(prompts, outputs), *(more_workloads or [])]:
+        params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=i)
+                  for i, m in enumerate(batch_outputs)]
+        watch.before()
+        start = time.perf_counter()
+        outs = llm.generate(batch_prompts, params, use_tqdm=True)
+        elapsed = time.perf_counter() - start
+        watch.after()
+        assert [len(o["token_ids"]) for o in outs] == list(batch_outputs)
+        rates.append(sum(batch_outputs) / elapsed)
     llm.shutdown()
-    return sum(outputs) / elapsed
+    return rates, startup_s
 
 
-def bench_transformers(model_dir: str, prompts, outputs, dtype: str, batch_size: int) -> float:
+def bench_transformers(model_dir: str, prompts, outputs, dtype: str, batch_size: int,
+                       watch: LoadWatch | None = None) -> float:
+    """transformers' ``generate`` in static left-padded batches; output tok/s counts requested tokens."""
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
@@ -72,10 +105,14 @@ def bench_transformers(model_dir: str, prompts, outputs, dtype: str, batch_size:
                            do_sample=False, pad_token_id=pad)
 
     run([prompts[0][:16]], 4)  # warm-up
+    watch = watch or LoadWatch()
+    watch.before()
     start = time.perf_counter()
     for i in tqdm(range(0, len(prompts), batch_size), desc=f"transformers {dtype}"):
         run(prompts[i:i + batch_size], max(outputs[i:i + batch_size]))
-    return sum(outputs) / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    watch.after()
+    return sum(outputs) / elapsed
 
 
 def make_qwen3_06b_shaped(path: str) -> str:
@@ -90,14 +127,6 @@ def make_qwen3_06b_shaped(path: str) -> str:
     return path
 
 
-def print_table(rows: list[tuple[str, float]], baseline: float | None) -> None:
-    print(f"\n{'system':<42}{'output tok/s':>14}{'vs transformers':>18}")
-    print("-" * 74)
-    for name, tps in rows:
-        ratio = f"{tps / baseline:.2f}x" if baseline else "-"
-        print(f"{name:<42}{tps:>14.1f}{ratio:>18}")
-
-
 def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -110,67 +139,241 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> dict[str, bool]:
+    """Which of ``CPU_FLAGS`` /proc/cpuinfo lists (all False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return {name: name in flags for name in CPU_FLAGS}
+
+
+def machine_line() -> str:
+    """CPU model, cores, the flags that matter for the dtype, torch threads: printed with every table."""
+    flags = " ".join(f"{name}{'' if on else ' (no)'}" for name, on in cpu_flags().items())
+    return f"{cpu_name()}, {os.cpu_count()} cores; {flags}; torch threads {torch.get_num_threads()}"
+
+
+def machine_info(load_before: str) -> dict:
+    """The machine as the JSON reports give it, with the load average before and now."""
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "cpu_flags": cpu_flags(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "torch_threads": torch.get_num_threads(), "load_average_before": load_before,
+            "load_average_after": load_average()}
+
+
+def wait_for_quiet(threshold: float, deadline: float, poll_s: float = 15.0) -> bool:
+    """Sleep until the 1-minute load average is below ``threshold`` or ``time.time()`` passes
+    ``deadline``; True if the machine got quiet. Other people's jobs share these cores, and a busy
+    neighbour slows every side of a comparison, not always equally."""
+    from tqdm.auto import tqdm
+
+    if os.getloadavg()[0] < threshold:
+        return True
+    with tqdm(desc=f"waiting for load < {threshold}", unit="s", total=None) as bar:
+        while os.getloadavg()[0] >= threshold:
+            if time.time() >= deadline:
+                print(f"gave up waiting for a quiet machine (load {load_average()}); measuring anyway")
+                return False
+            bar.set_postfix(load=f"{os.getloadavg()[0]:.2f}")
+            time.sleep(poll_s)
+            bar.update(poll_s)
+    return True
+
+
+@dataclass
+class LoadWatch:
+    """Waits for a quiet machine before each timed run (if ``quiet_below`` is set) and records the
+    load average around it: one record per run in ``records``.
+
+    ``deadline`` (a ``time.time()``) is shared by every wait of a script run, so that the
+    45-minute give-up bounds the whole run, not each row.
+    """
+
+    quiet_below: float | None = None
+    deadline: float | None = None
+    records: list[dict] = field(default_factory=list)
+
+    def before(self) -> None:
+        start, quiet = time.time(), None
+        if self.quiet_below is not None:
+            quiet = wait_for_quiet(self.quiet_below, self.deadline or float("inf"))
+        self.records.append({"load_before": load_average(), "waited_s": round(time.time() - start, 1),
+                             "quiet": quiet})
+
+    def after(self) -> None:
+        self.records[-1]["load_after"] = load_average()
+
+
+def vllm_python(venv: Path) -> Path:
+    """The interpreter of vLLM's virtualenv, or exit saying which script builds it."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"--peer vllm needs vLLM's CPU build in {venv}, which does not exist: build it with "
+                         f"07_engine/make_vllm_venv.sh (a few minutes; never part of ./setup.sh)")
+    return python
+
+
+def usable_cores() -> str:
+    """The cores this process may run on, as vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` spells a list."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+    contiguous = cores == list(range(cores[0], cores[-1] + 1))
+    return f"{cores[0]}-{cores[-1]}" if contiguous else ",".join(map(str, cores))
+
+
+def vllm_bindings() -> dict[str, dict[str, str]]:
+    """vLLM's two thread layouts on a CPU: its defaults (one core computes, one is reserved for
+    the front end and engine core loop), and every usable core bound for compute."""
+    return {"defaults": {},
+            "all-cores-bound": {"VLLM_CPU_OMP_THREADS_BIND": usable_cores(), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
+
+
+def bench_vllm(python: Path, model_dir: str, prompts, outputs, dtype: str, binding: dict[str, str],
+               kv_cache_gib: int, watch: LoadWatch) -> tuple[float, dict]:
+    """vLLM's output tok/s on the workload, in its own virtualenv; also its runner's report
+    (start-up time, what each of its processes did with the cores)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
+    env.update(binding, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), TOKENIZERS_PARALLELISM="false")
+    # vLLM warns once per weight that it casts the float32 checkpoint to bfloat16: hundreds of lines.
+    env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    env.pop("VIRTUAL_ENV", None)
+    with tempfile.TemporaryDirectory(prefix="vllm-peer-") as tmp:
+        spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec.write_text(json.dumps({"model": model_dir, "dtype": dtype, "prompts": prompts, "outputs": outputs,
+                                    "quiet_below": watch.quiet_below, "quiet_deadline": watch.deadline}))
+        done = subprocess.run([str(python), str(HERE / "vllm_peer_runner.py"), str(spec), str(result)], env=env)
+        if done.returncode != 0:
+            raise RuntimeError(f"vllm_peer_runner.py exited with {done.returncode} (its output is above)")
+        report = json.loads(result.read_text())
+    watch.records.append(report["load"])
+    return report["output_tokens_per_s"], report
+
+
+def print_table(rows: list[tuple[str, float]], baseline: float | None, peer: float | None = None,
+                loads: list[dict] | None = None) -> None:
+    """One line per system: tok/s, ratio to the best transformers run (and the best vLLM run),
+    and the load average before → after its timed run (* where waiting for quiet gave up)."""
+    peer_head = f"{'vs vLLM':>10}" if peer else ""
+    load_head = f"  {'load before -> after':<24}" if loads else ""
+    print(f"\n{'system':<46}{'output tok/s':>14}{'vs transformers':>18}{peer_head}{load_head}")
+    print("-" * (78 + len(peer_head) + len(load_head)))
+    for i, (name, tps) in enumerate(rows):
+        ratio = f"{tps / baseline:.2f}x" if baseline else "-"
+        line = f"{name:<46}{tps:>14.1f}{ratio:>18}"
+        if peer:
+            line += f"{tps / peer:>9.2f}x"
+        if loads:
+            rec = loads[i]
+            gave_up = "*" if rec.get("quiet") is False else ""
+            line += f"  {rec['load_before'].split()[0]} -> {rec['load_after'].split()[0]}{gave_up}"
+        print(line)
+    if loads and any(rec.get("quiet") is False for rec in loads):
+        print("* the machine never got quiet before the wait ran out; measured anyway")
+
+
 def write_json(path: str, workload: dict, rows: list[tuple[str, float]], baseline: float | None,
-               load_before: str) -> None:
+               load_before: str, peer: float | None = None, loads: list[dict] | None = None,
+               details: dict[str, dict] | None = None) -> None:
     report = {
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(),
-                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                    "torch_threads": torch.get_num_threads(), "load_average_before": load_before,
-                    "load_average_after": load_average()},
+        "machine": machine_info(load_before),
         "workload": workload,
-        "rows": [{"system": name, "output_tokens_per_s": round(tps, 2),
-                  "vs_transformers": round(tps / baseline, 3) if baseline else None} for name, tps in rows],
+        "rows": [],
     }
+    for i, (name, tps) in enumerate(rows):
+        row = {"system": name, "output_tokens_per_s": round(tps, 2),
+               "vs_transformers": round(tps / baseline, 3) if baseline else None}
+        if peer:
+            row["vs_vllm"] = round(tps / peer, 3)
+        if loads:
+            row["load"] = loads[i]
+        if details and name in details:
+            row["details"] = details[name]
+        report["rows"].append(row)
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {path}")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true", help="nano-vllm's workload on a Qwen3-0.6B-shaped model (CUDA)")
     parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2)")
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--input-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--single-stream", action="store_true",
+                        help="one 248-token prompt, 128 new tokens (transformers at batch 1); overrides the "
+                             "workload and --hf-batch-sizes")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="bfloat16", help="engine dtype")
+    parser.add_argument("--dtype", default="bfloat16", help="engine dtype (and vLLM's, with --peer)")
     parser.add_argument("--hf-dtypes", nargs="*", default=["bfloat16"],
                         help="transformers dtypes (float32 is what it loads this checkpoint in by default; "
                              "always slower here)")
-    parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[32, 64],
-                        help="transformers static batch sizes, each run over the whole workload")
+    parser.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[32, 64],
+                        help="transformers static batch sizes, each run over the whole workload (none: skip "
+                             "transformers)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for both sides (default: torch's own choice, the usable cores)")
+    parser.add_argument("--peer", choices=["vllm"], default=None,
+                        help="also run vLLM's CPU build (its defaults, then all cores bound) on the workload")
+    parser.add_argument("--vllm-bindings", nargs="+", default=list(vllm_bindings()), choices=list(vllm_bindings()),
+                        help="vLLM thread layouts to run with --peer vllm (default: both)")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="engine passes over the workload in one engine, each with new prompts (another "
+                             "seed): pass 1 is what a user meets first, later passes show what is left to warm")
+    parser.add_argument("--engine-warm-up", action=argparse.BooleanOptionalAction, default=True,
+                        help="the engine's start-up warm-up (EngineConfig.warm_up)")
+    parser.add_argument("--vllm-venv", type=Path, default=VLLM_VENV,
+                        help="vLLM's virtualenv (default: .venv-vllm, built by 07_engine/make_vllm_venv.sh)")
+    parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for vLLM")
+    parser.add_argument("--quiet-below", type=float, default=None, metavar="LOAD",
+                        help="before each timed run, wait until the 1-minute load average is below LOAD")
+    parser.add_argument("--quiet-timeout-min", type=float, default=45.0,
+                        help="total minutes to wait for quiet in one run before measuring anyway")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON")
-    args = parser.parse_args()
-    if min(args.hf_batch_sizes) < 1:
+    args = parser.parse_args(argv)
+    if args.hf_batch_sizes and min(args.hf_batch_sizes) < 1:
         parser.error("--hf-batch-sizes must be >= 1")
+    if args.passes < 1:
+        parser.error("--passes must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
+    if args.single_stream:
+        args.num_requests, args.input_len, args.output_len, args.hf_batch_sizes = 1, (248, 248), (128, 128), [1]
+    return args
+
+
+def run_gpu(args: argparse.Namespace, load_before: str) -> None:
+    """nano-vllm's workload on a random Qwen3-0.6B-shaped checkpoint, eager and with CUDA graphs."""
+    model_dir = args.model or make_qwen3_06b_shaped(tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
+    prompts, outputs = make_workload(256, (100, 1024), (100, 1024), 10000, args.seed)
+    rows = []
+    for eager in (True, False):
+        (tps,), _ = bench_engine(model_dir, prompts, outputs, 0.6, max_model_len=4096, enforce_eager=eager,
+                                 dtype="bfloat16")
+        rows.append((f"engine bf16 ({'eager' if eager else 'CUDA graphs'})", tps))
+    print(f"\n{torch.cuda.get_device_name()}, Qwen3-0.6B-shaped random weights, 256 seqs, in/out 100-1024; "
+          f"host {machine_line()}; load average before {load_before}, after {load_average()}")
+    print_table(rows, None)
+    if args.json:
+        write_json(args.json, {"model": "Qwen3-0.6B-shaped, random weights", "num_requests": 256,
+                               "input_len": [100, 1024], "output_len": [100, 1024], "temperature": 0.6},
+                   rows, None, load_before)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.threads is not None:
-        if args.threads < 1:
-            parser.error("--threads must be >= 1")
         torch.set_num_threads(args.threads)
     load_before = load_average()
-
     if args.gpu:
         if not torch.cuda.is_available():
-            parser.error("--gpu needs CUDA")
-        model_dir = args.model or make_qwen3_06b_shaped(tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
-        prompts, outputs = make_workload(256, (100, 1024), (100, 1024), 10000, args.seed)
-        rows = []
-        for eager in (True, False):
-            tps = bench_engine(model_dir, prompts, outputs, 0.6, max_model_len=4096, enforce_eager=eager,
-                               dtype="bfloat16")
-            rows.append((f"engine bf16 ({'eager' if eager else 'CUDA graphs'})", tps))
-        print(f"\n{torch.cuda.get_device_name()}, Qwen3-0.6B-shaped random weights, 256 seqs, in/out 100-1024")
-        print_table(rows, None)
-        if args.json:
-            write_json(args.json, {"model": "Qwen3-0.6B-shaped, random weights", "num_requests": 256,
-                                   "input_len": [100, 1024], "output_len": [100, 1024], "temperature": 0.6},
-                       rows, None, load_before)
-        return
+            raise SystemExit("--gpu needs CUDA")
+        return run_gpu(args, load_before)
+    python = vllm_python(args.vllm_venv) if args.peer == "vllm" else None  # fail before any work
 
     from vllm_from_scratch import default_model_dir
 
@@ -180,24 +383,60 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     prompts, outputs = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab,
                                      args.seed)
+    watch = LoadWatch(args.quiet_below, time.time() + 60 * args.quiet_timeout_min)
     engine_kwargs = dict(dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs)
     if args.max_num_batched_tokens:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-    rows = [(f"engine {args.dtype}", bench_engine(model_dir, prompts, outputs, 0.0, **engine_kwargs))]
-    hf = [(f"transformers {d} (batch {b}, left pad)", bench_transformers(model_dir, prompts, outputs, d, b))
+    engine_kwargs["warm_up"] = args.engine_warm_up
+    # Later passes draw new prompts (another seed), so the prefix cache cannot serve them.
+    more = [make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed + i)
+            for i in range(1, args.passes)]
+    rates, startup_s = bench_engine(model_dir, prompts, outputs, 0.0, watch=watch, more_workloads=more,
+                                    **engine_kwargs)
+    engine_name = f"engine {args.dtype}{'' if args.engine_warm_up else ' (no start-up warm-up)'}"
+    rows = [(engine_name + (f", pass {i + 1}" if args.passes > 1 else ""), tps) for i, tps in enumerate(rates)]
+    details = {rows[0][0]: {"startup_s": round(startup_s, 2)}}
+    hf = [(f"transformers {d} (batch {b}, left pad)", bench_transformers(model_dir, prompts, outputs, d, b, watch))
           for d in args.hf_dtypes for b in args.hf_batch_sizes]
+    peer = []
+    for label in (args.vllm_bindings if python else ()):
+        binding = vllm_bindings()[label]
+        name = f"vLLM {vllm_version(python)} CPU {args.dtype} ({label})"
+        tps, details[name] = bench_vllm(python, model_dir, prompts, outputs, args.dtype, binding,
+                                        args.vllm_kv_cache_gib, watch)
+        peer.append((name, tps))
     best_hf = max((t for _, t in hf), default=None)
+    best_peer = max((t for _, t in peer), default=None)
     print(f"\n{args.num_requests} requests, prompts {args.input_len[0]}-{args.input_len[1]} tokens, "
-          f"{args.output_len[0]}-{args.output_len[1]} new tokens, greedy, ignore_eos; {os.cpu_count()} CPU cores, "
-          f"torch threads: {torch.get_num_threads()}; load average (1/5/15 min) before {load_before}, "
-          f"after {load_average()}")
-    print_table(rows + hf, best_hf)
+          f"{args.output_len[0]}-{args.output_len[1]} new tokens, greedy, ignore_eos\n{machine_line()}\n"
+          f"load average (1/5/15 min) before {load_before}, after {load_average()}")
+    print_table(rows + hf + peer, best_hf, best_peer, watch.records)
+    print(f"\nthe engine started in {startup_s:.1f} s (model load{' and warm-up' if args.engine_warm_up else ''})")
+    for name, _ in peer:
+        print_vllm_processes(name, details[name])
     if args.json:
         workload = {"model": model_dir, "num_requests": args.num_requests, "input_len": list(args.input_len),
                     "output_len": list(args.output_len), "seed": args.seed, "temperature": 0.0,
                     "engine_dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-                    "hf_batch_sizes": args.hf_batch_sizes}
-        write_json(args.json, workload, rows + hf, best_hf, load_before)
+                    "hf_batch_sizes": args.hf_batch_sizes, "single_stream": args.single_stream,
+                    "engine_warm_up": args.engine_warm_up, "passes": args.passes,
+                    "quiet_below": args.quiet_below}
+        write_json(args.json, workload, rows + hf + peer, best_hf, load_before, best_peer, watch.records, details)
+
+
+def vllm_version(python: Path) -> str:
+    """The installed vllm-cpu version, read from its metadata without importing vLLM."""
+    code = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
+    return subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def print_vllm_processes(name: str, report: dict) -> None:
+    """Where vLLM's threads ran during the timed run: its front end, engine core and worker."""
+    print(f"\n{name}: start-up {report['startup_s']:.1f} s; during the timed run:")
+    for p in report["processes"]:
+        threads = ", ".join(f"bound to {t['cores']} {t['busy']:.0%} busy" for t in p["busy_threads"])
+        print(f"  {p['name']:<18} {p['threads']:>3} threads, {p['cores_busy']:.2f} cores busy"
+              f"{': ' + threads if threads else ''}")
 
 
 if __name__ == "__main__":

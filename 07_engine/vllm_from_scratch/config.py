@@ -143,65 +143,6 @@ def setting(help: str, default=None, **cli) -> dataclasses.Field:
     return field(default=default, metadata={"help": help, **cli})
 
 
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """``speculative_config``, checked once, with vLLM's keys.
-
-    ``method`` ("ngram" or "draft_model"), ``num_speculative_tokens`` (k >= 1), ``model`` (the
-    draft checkpoint directory, draft_model only; it loads through the same model registry as
-    the target), ``prompt_lookup_min`` / ``prompt_lookup_max`` (n-gram sizes, ngram only).
-    """
-
-    method: str
-    num_speculative_tokens: int
-    model: str | None = None
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-
-    @classmethod
-    def from_dict(cls, config: dict) -> "SpeculativeConfig":
-        """Parse a user's dict; :class:`ParameterError` naming the key that is wrong."""
-        if not isinstance(config, dict):
-            raise ParameterError("speculative_config", f"must be a dict or None, got {config!r}")
-        unknown = sorted(set(config) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ParameterError("speculative_config", f"has unknown keys {unknown}")
-        if config.get("method") not in SPEC_METHODS:
-            raise ParameterError("speculative_config['method']", f"must be one of {SPEC_METHODS}, "
-                                 f"got {config.get('method')!r}")
-        k = config.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ParameterError("speculative_config['num_speculative_tokens']", f"must be an int >= 1, got {k!r}")
-        if config["method"] == "draft_model" and config.get("model") is None:
-            raise ParameterError("speculative_config['model']", "(a draft checkpoint directory) is required "
-                                 "for draft_model")
-        return cls(**{**config, "model": None if config.get("model") is None else str(config["model"])})
-
-
-def resolve_device(device: str) -> torch.device:
-    """``"auto"`` is CUDA when present, else CPU; anything else must name a usable device."""
-    if not isinstance(device, (str, torch.device)):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from exc
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for CUDA, which is not available")
-    return dev
-
-
-def _positive_int(name: str, value, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 @dataclass
 class EngineConfig:
     """Everything ``LLM(...)``/``LLMEngine(...)`` accept, with defaults filled in.
@@ -239,6 +180,9 @@ class EngineConfig:
     kv_transfer_config: dict | None = setting(
         'the global KV pool (chapter 03) as a KV connector, e.g. {"kv_connector": "mooncake", "kv_role": '
         '"kv_both", "master_server_address": "HOST:PORT", "metadata_server": "http://HOST:PORT/metadata"}')
+    warm_up: bool = setting("before the first request, run a prefill of each power of two up to the token budget "
+                            "and a decode step of each batch size up to max_num_seqs, so that the first batch "
+                            "runs as fast as the tenth (seconds at start-up on a CPU)", True)
     step_trace: str | None = setting("write one JSON line per engine step to this file (docs/step_trace.md); "
                                      "None: no trace, no cost")
     hf_config: object = field(default=None, init=False, repr=False)

@@ -22,6 +22,7 @@ nothing else, and the outputs are made from it after the update.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.model_runner import ModelRunner
 from vllm_from_scratch.sampling_params import SamplingParams, check_int
 from vllm_from_scratch.step_trace import StepTracer
+
+log = logging.getLogger(__name__)
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -190,6 +193,7 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.tracer = StepTracer(self, self.config.step_trace) if self.config.step_trace else None
+        self.warm_up_s = self.warm_up() if self.config.warm_up else 0.0
 
     # ------------------------------------------------------------------ construction
     def _eos_token_ids(self) -> list[int]:
@@ -385,14 +389,17 @@ class LLMEngine:
 
         A prefill of each power of two up to the token budget and a decode step of each power
         of two up to ``max_num_seqs`` (at most 256): the sizes a step most often has, and the
-        neighbours of the rest. The server calls it before ``/health`` answers.
+        neighbours of the rest. ``EngineConfig.warm_up`` (on by default) runs it at construction,
+        so the server's ``/health`` answers only after it.
         """
         start = time.perf_counter()
         budget = self.config.max_num_batched_tokens
         prefill = [n for n in (2 ** i for i in range(4, 16)) if n < budget] + [budget]
         decode = [b for b in (2 ** i for i in range(9)) if b <= min(self.config.max_num_seqs, 256)]
         self.executor.call("warm_up", prefill, decode)
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        log.info("warm-up: prefills of %s tokens, decode batches of %s: %.1f s", prefill, decode, elapsed)
+        return elapsed
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (a no-op for one rank) and close the KV pool."""

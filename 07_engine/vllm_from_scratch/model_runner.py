@@ -34,6 +34,9 @@ from vllm_from_scratch.layers.prepacked import prepack_model
 from vllm_from_scratch.loader import get_model
 from vllm_from_scratch.sampler import Sampler, SamplingTensors
 
+# Longest dummy prompt of the warm-up; a step at the token budget is several of them.
+WARM_UP_ROW = 256
+
 
 class ModelRunner:
     """Owns the model weights, the KV cache and the sampler of one (tensor-parallel) rank.
@@ -128,7 +131,10 @@ class ModelRunner:
         dummy K/V lands in blocks nobody holds yet, and every block is written before it is read.
         """
         for n in prefill_lens:
-            self._dummy_forward([n], context=0)
+            # The linear layers see all n tokens as one matrix whatever the rows; rows of at most
+            # WARM_UP_ROW tokens spare the warm-up a quadratic attention over one long prompt.
+            self._dummy_forward([WARM_UP_ROW] * (n // WARM_UP_ROW) + [n % WARM_UP_ROW] * bool(n % WARM_UP_ROW),
+                                context=0)
         for b in decode_batch_sizes:
             self._dummy_forward([1] * b, context=self.block_size - 1)
 

@@ -1,0 +1,109 @@
+"""``bench.py --peer vllm``: its wiring checked with a stand-in for vLLM's interpreter, and the
+real vLLM CPU build run on a tiny workload where its virtualenv exists.
+
+vLLM is never part of the book's set-up: the stand-in runs everywhere and costs nothing; the
+real run needs ``.venv-vllm`` (``07_engine/make_vllm_venv.sh``) and skips without it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import bench
+
+HERE = Path(__file__).resolve().parent
+
+# Writes the result a real vllm_peer_runner.py would, with the binding it was given, so the test
+# sees what bench.py passed through the environment: argv is [runner, spec, result].
+FAKE_RUNNER = """#!{python}
+import json, os, sys
+if sys.argv[1:2] == ["-c"]:
+    print("0.32.0")
+    sys.exit(0)
+spec = json.load(open(sys.argv[2]))
+bound = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+json.dump({{"output_tokens_per_s": 200.0 if bound else 100.0, "elapsed_s": 1.0, "startup_s": 5.0,
+           "vllm_version": "0.32.0", "load": {{"load_before": "0.10 0.20 0.30", "load_after": "0.40 0.50 0.60",
+                                              "waited_s": 0.0, "quiet": None}},
+           "processes": [{{"pid": 1, "name": "VLLM::Worker", "threads": 3, "cores_busy": 1.9,
+                          "busy_threads": [{{"cores": [0], "busy": 0.95}}]}}],
+           "env": {{k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")}},
+           "spec": {{"n": len(spec["prompts"]), "outputs": spec["outputs"], "dtype": spec["dtype"]}}}},
+          open(sys.argv[3], "w"))
+"""
+
+
+@pytest.fixture
+def fake_venv(tmp_path):
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(FAKE_RUNNER.format(python=sys.executable))
+    python.chmod(0o755)
+    return tmp_path / "venv"
+
+
+def test_a_missing_vllm_venv_names_the_script_that_builds_it(tmp_path):
+    with pytest.raises(SystemExit, match="make_vllm_venv.sh"):
+        bench.vllm_python(tmp_path / "no-such-venv")
+
+
+def test_bench_vllm_passes_the_workload_and_the_binding(fake_venv, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "7")  # the caller's own setting must not leak in
+    watch = bench.LoadWatch()
+    python = bench.vllm_python(fake_venv)
+    tps, report = bench.bench_vllm(python, "model", [[1, 2], [3]], [4, 5], "bfloat16", {}, 3, watch)
+    assert tps == 100.0 and report["spec"] == {"n": 2, "outputs": [4, 5], "dtype": "bfloat16"}
+    assert report["env"] == {"VLLM_CPU_KVCACHE_SPACE": "3"}
+    tps, report = bench.bench_vllm(python, "model", [[1]], [4], "bfloat16", bench.vllm_bindings()["all-cores-bound"],
+                                   3, watch)
+    assert tps == 200.0
+    assert report["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert report["env"]["VLLM_CPU_OMP_THREADS_BIND"] == bench.usable_cores()
+    assert len(watch.records) == 2, "the runner's load record joins the table's"
+
+
+def test_one_table_holds_engine_transformers_and_both_vllm_runs(fake_venv, monkeypatch, capsys, tmp_path):
+    def timed(watch, tps):  # a timed run as the real ones record it: one load record each
+        watch.before()
+        watch.after()
+        return tps
+
+    monkeypatch.setattr(bench, "bench_engine", lambda *a, watch, more_workloads, **kw: ([timed(watch, 300.0)], 2.5))
+    monkeypatch.setattr(bench, "bench_transformers", lambda *a: timed(a[-1], 50.0))
+    out = tmp_path / "peer.json"
+    bench.main(["--peer", "vllm", "--vllm-venv", str(fake_venv), "--num-requests", "3", "--hf-batch-sizes", "2",
+                "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "avx512_bf16" in text and "torch threads" in text and "load average (1/5/15 min)" in text
+    table = {line[:46].strip(): line[46:].split() for line in text.splitlines()
+             if line.startswith(("engine", "transformers", "vLLM")) and line[46:].split()[1].endswith("x")}
+    assert table["engine bfloat16"][:3] == ["300.0", "6.00x", "1.50x"]
+    assert table["transformers bfloat16 (batch 2, left pad)"][:3] == ["50.0", "1.00x", "0.25x"]
+    assert table["vLLM 0.32.0 CPU bfloat16 (defaults)"][:3] == ["100.0", "2.00x", "0.50x"]
+    assert table["vLLM 0.32.0 CPU bfloat16 (all-cores-bound)"][:3] == ["200.0", "4.00x", "1.00x"]
+    assert "VLLM::Worker" in text, "where vLLM's threads ran is printed"
+    report = json.loads(out.read_text())
+    assert [r["system"] for r in report["rows"]] == list(table)
+    assert report["machine"]["cpu_flags"].keys() == set(bench.CPU_FLAGS)
+    assert report["rows"][0]["details"] == {"startup_s": 2.5}
+    assert report["rows"][3]["details"]["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (bench.VLLM_VENV / "bin" / "python").exists(),
+                    reason="vLLM's CPU build is optional: build .venv-vllm with 07_engine/make_vllm_venv.sh")
+def test_the_real_vllm_cpu_build_runs_the_same_workload(tmp_path):
+    out = tmp_path / "peer.json"
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    subprocess.run([sys.executable, str(HERE / "bench.py"), "--peer", "vllm", "--vllm-bindings", "all-cores-bound",
+                    "--num-requests", "2", "--input-len", "16", "32", "--output-len", "4", "4",
+                    "--hf-batch-sizes", "--vllm-kv-cache-gib", "1", "--json", str(out)],
+                   check=True, env=env, cwd=HERE, timeout=900)
+    rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
+    vllm_row = rows["vLLM 0.32.0 CPU bfloat16 (all-cores-bound)"]
+    assert vllm_row["output_tokens_per_s"] > 0
+    assert sum(p["cores_busy"] for p in vllm_row["details"]["processes"]) > 0
