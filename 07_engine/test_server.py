@@ -9,16 +9,16 @@ import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+
+from server_testing import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -29,46 +29,13 @@ KEY = "test-server-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url():
-    port = free_port()
-    log = tempfile.TemporaryFile(mode="w+")
-    cmd = [sys.executable, "-m", "vllm_from_scratch.serve", "--port", str(port),
-           "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
-           "--num-kvcache-blocks", "160", "--log-level", "warning"]
     # The key through the environment, as a teacher would pass it (not in the process list).
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_API_KEY": KEY})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 180
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail("server did not become healthy in 180 s")
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
+    with ServerProcess(["vllm_from_scratch.serve", "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
+                        "--num-kvcache-blocks", "160", "--log-level", "warning"],
+                       startup_timeout_s=180, env={"VLLM_API_KEY": KEY}) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +162,11 @@ def test_client_timeout_on_a_non_streamed_request_aborts_it(base_url):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(base_url + "/v1/completions", json=body, timeout=1.5, headers=AUTH)
     deadline = time.time() + 20
-    while time.time() < deadline and metric(base_url, "vllm:num_requests_running") != 0:
+    while time.time() < deadline and (metric(base_url, "vllm:num_requests_running") != 0
+                                      or metric(base_url, "vllm:kv_cache_usage_perc") != 0):
         time.sleep(0.1)
     assert metric(base_url, "vllm:num_requests_running") == 0
+    assert metric(base_url, "vllm:kv_cache_usage_perc") == 0
     assert _abort_count(base_url) == aborted_before + 1
 
 
