@@ -171,3 +171,19 @@ def test_each_tensor_parallel_rank_loads_its_own_shard(tiny_llama_dir):
         assert_no_leak(llm)
     finally:
         llm.shutdown()
+
+
+def test_the_proxy_asks_for_the_api_key_as_the_server_does():
+    from fastapi.testclient import TestClient
+
+    from vllm_from_scratch.disagg_proxy import build_proxy
+
+    # Nothing listens on these ports: a request the key lets through fails upstream, not with 401.
+    app = build_proxy(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], api_key="sesame")
+    with TestClient(app, raise_server_exceptions=False) as client:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+        denied = client.post("/v1/completions", json=body)
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert client.get("/health").status_code == 200
+        assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sesame"}).status_code != 401

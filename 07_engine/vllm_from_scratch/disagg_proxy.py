@@ -17,17 +17,17 @@ what the proxy sends to the instances (default: the same key).
 from __future__ import annotations
 
 import argparse
-import hmac
 import itertools
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from vllm_from_scratch.api_server import APIKeyMiddleware
 from vllm_from_scratch.openai_protocol import error_body
 
 log = logging.getLogger(__name__)
@@ -58,13 +58,8 @@ def build_proxy(prefill_urls: list[str], decode_urls: list[str], api_key: str | 
 
     app = FastAPI(title="vllm-from-scratch disaggregation proxy", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return JSONResponse(error_body("Unauthorized", "invalid_request_error"), status_code=401)
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # the server's own check, same open paths
 
     async def forward(request: Request) -> Response:
         path = request.url.path
