@@ -257,9 +257,10 @@
     if (S.timer || !S.index.length) return;
     if (S.cur >= S.index.length - 1 && !S.live) seek(0);
     $("play").textContent = "\u275A\u275A pause";
+    // A replay stops in the tick that shows its last step, so the button never says "pause" at the end.
     S.timer = setInterval(guarded(() => {
       if (S.cur < S.index.length - 1) seek(S.cur + 1);
-      else if (!S.live) pause();
+      if (S.cur >= S.index.length - 1 && !S.live) pause();
     }), 1000 / Number($("speed").value));
   }
   function pause() {
