@@ -24,7 +24,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
+
+from scheduler import Request, SchedulerOutput
+
+if TYPE_CHECKING:
+    from vllm_from_scratch.engine import LLMEngine, RequestOutput
 
 SCHEMA = 1
 """Version of the record format; bumped when a field changes meaning or disappears."""
@@ -61,7 +66,7 @@ class StepTracer:
     ready for a viewer that may never come.
     """
 
-    def __init__(self, engine, path: str | os.PathLike | None = None):
+    def __init__(self, engine: LLMEngine, path: str | os.PathLike | None = None):
         self.engine = engine
         self._sinks: tuple[Sink, ...] = ()
         self._t0 = time.perf_counter()
@@ -73,7 +78,7 @@ class StepTracer:
         self._parked: dict[str, int] = {}  # loading from a global pool: computed tokens when parked
         self._running_before: set[str] = set()
         self._loaded_blocks: int | None = 0  # the pool connector's loaded_blocks at the last record
-        self._file = None
+        self._file: TextIO | None = None
         if path is not None:
             self._file = open(path, "w", encoding="utf-8")
             self._file.write(json.dumps(self.header()) + "\n")
@@ -89,6 +94,7 @@ class StepTracer:
         self._sinks = tuple(s for s in self._sinks if s is not sink)
 
     def _write(self, record: Record) -> None:
+        assert self._file is not None, "only added as a sink when there is a file"
         # One flush per step keeps a killed run's trace readable up to its last step.
         self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
         self._file.flush()
@@ -110,7 +116,8 @@ class StepTracer:
                 "token_budget": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
                 "unix_time": self._unix_t0, "settings": settings}
 
-    def on_step(self, sched, sampled: dict[str, list[int]], outputs: list, start: float, duration: float) -> None:
+    def on_step(self, sched: SchedulerOutput, sampled: dict[str, list[int]], outputs: list[RequestOutput],
+                start: float, duration: float) -> None:
         """Record the step that ran ``sched`` (a non-empty SchedulerOutput), sampled ``sampled``
         and returned ``outputs`` (RequestOutputs); ``start`` is its ``time.perf_counter()``."""
         step = self._step
@@ -135,7 +142,7 @@ class StepTracer:
         self._known.difference_update(f["id"] for f in record["finished"])
         self._emit(record)
 
-    def record_abort(self, request) -> None:
+    def record_abort(self, request: Request) -> None:
         """``request`` was aborted between steps; the next record lists it under ``aborted``."""
         if self._sinks:
             self._pending_aborts.append(request)
@@ -151,7 +158,7 @@ class StepTracer:
             self._file = None
 
     # ------------------------------------------------------------------ parts of a record
-    def _scheduled(self, sched, req, sampled: dict[str, list[int]]) -> Record:
+    def _scheduled(self, sched: SchedulerOutput, req: Request, sampled: dict[str, list[int]]) -> Record:
         rid = req.request_id
         start, num_tokens = sched.num_computed_tokens[rid], sched.num_scheduled_tokens[rid]
         drafts = sched.scheduled_spec_decode_tokens.get(rid, [])
@@ -200,7 +207,7 @@ class StepTracer:
         self._known.difference_update(record["aborted"])
         return record
 
-    def _pool(self, sched) -> Record | None:
+    def _pool(self, sched: SchedulerOutput) -> Record | None:
         """With a global KV pool (``engine.kv_connector``): the tokens each request loaded from
         it, the blocks each offers to it after this forward (the step's
         ``kv_connector_metadata``), and the connector's running totals (``stats``)."""
@@ -215,7 +222,7 @@ class StepTracer:
         self._running_before = {r.request_id for r in self.engine.scheduler.running}
         return record
 
-    def _loaded(self, sched, loaded_blocks: int) -> dict[str, int]:
+    def _loaded(self, sched: SchedulerOutput, loaded_blocks: int) -> dict[str, int]:
         """Tokens loaded per request: the leap of ``num_computed_tokens`` of a request that left
         ``WAITING_FOR_REMOTE_KVS``. A request parked during a step that ran nothing (no record
         saw it) is known by elimination: scheduled, not admitted, not running before; it gets

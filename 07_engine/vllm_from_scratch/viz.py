@@ -175,7 +175,7 @@ class Arrival:
 
 
 def trace_scenario(path: str | Path, arrivals: list[Arrival], model_dir: str | None = None,
-                   **engine_kwargs) -> dict[str, str]:
+                   **engine_kwargs: Any) -> dict[str, str]:
     """Run ``arrivals`` through a fresh engine (the default model unless ``model_dir``) with the
     step trace written to ``path``; returns each request's text by request id (``req-0``, ...
     in the order of ``arrivals``). The chapter demos' ``--trace`` is this, with their scenario."""
@@ -203,7 +203,7 @@ def trace_scenario(path: str | Path, arrivals: list[Arrival], model_dir: str | N
     return texts
 
 
-def demo_trace(path: str | Path, arrivals: list[Arrival], **engine_kwargs) -> None:
+def demo_trace(path: str | Path, arrivals: list[Arrival], **engine_kwargs: Any) -> None:
     """A chapter demo's ``--trace``: run the scenario, check the trace, say how to view it."""
     texts = trace_scenario(path, arrivals, **engine_kwargs)
     header, records = read_trace(path)
@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             summary = check_trace(args.trace, require_end=False)
             print(f"invariants hold on {summary.steps} steps, {len(summary.requests)} requests "
                   f"({summary.preemptions} preemptions, {summary.evictions} evictions, "
-                  f"{summary.prefix_hit_tokens} prefix-hit tokens, {summary.accepted}/{summary.drafts} drafts accepted)")
+                  f"{summary.prefix_hit_tokens} prefix-hit tokens, "
+                  f"{summary.accepted}/{summary.drafts} drafts accepted)")
     except (TraceError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

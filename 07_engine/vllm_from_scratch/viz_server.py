@@ -26,12 +26,16 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 
 from vllm_from_scratch.step_trace import Record, StepTracer
 from vllm_from_scratch.viz import render_page
+
+if TYPE_CHECKING:
+    from vllm_from_scratch.engine import LLMEngine
 
 KEEPALIVE_S = 15.0
 QUEUE_SIZE = 512  # steps a slow viewer may lag behind before it loses some
@@ -49,7 +53,7 @@ class Redactor:
     Used from the engine thread only (the tracer's sinks run there), so it needs no lock.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._labels: dict[str, str] = {}
         self._next = 1
 
@@ -61,7 +65,7 @@ class Redactor:
 
     def __call__(self, rec: Record) -> Record:
         lab = self.label
-        out = {k: rec[k] for k in ("type", "schema", "step", "t", "duration", "budget", "loading", "blocks")
+        out: Record = {k: rec[k] for k in ("type", "schema", "step", "t", "duration", "budget", "loading", "blocks")
                if k in rec}
         out["loading"] = [lab(r) for r in rec["loading"]]
         out["new"] = [{**n, "id": lab(n["id"])} for n in rec["new"]]
@@ -90,9 +94,9 @@ class LiveTrace:
     The tracer gets this hub's sink only while at least one viewer is connected.
     """
 
-    def __init__(self, engine):
+    def __init__(self, engine: LLMEngine):
         self.engine = engine
-        if getattr(engine, "tracer", None) is None:
+        if engine.tracer is None:
             engine.tracer = StepTracer(engine)  # before the engine loop starts: no race
         self.tracer: StepTracer = engine.tracer
         self._viewers: tuple[_Viewer, ...] = ()
@@ -143,7 +147,7 @@ def _offer(queue: asyncio.Queue, text: str) -> None:
         queue.put_nowait(text)
 
 
-def add_viz_routes(app: FastAPI, engine) -> None:
+def add_viz_routes(app: FastAPI, engine: LLMEngine) -> None:
     """Serve the viewer at ``/viz`` and the live step records at ``/viz/events`` for ``engine``."""
     live = LiveTrace(engine)
     page = render_page({"mode": "live", "source": "live", "events": "viz/events"})
