@@ -39,7 +39,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from block_manager import BlockManager, cdiv
 from sequence import Sequence
@@ -199,7 +199,7 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     sampling_request_ids: set[str] = field(default_factory=set)
     token_budget: int = 0
-    kv_connector_metadata: object | None = None  # what a global KV pool's workers do this step
+    kv_connector_metadata: Any = None  # opaque here: what a global KV pool's workers do this step
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from attention_backends import BACKENDS
 from vllm_from_scratch.errors import ParameterError
@@ -130,16 +133,17 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def _positive_int(name: str, value, allow_none: bool = False) -> None:
+def _positive_int(name: str, value: object, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ParameterError(name, f"must be a positive int, got {value!r}")
 
 
-def setting(help: str, default=None, **cli) -> dataclasses.Field:
+def setting(help: str, default: Any = None, **cli: Any) -> Any:
     """An :class:`EngineConfig` field: its default, its ``--help`` text, and how the command line
-    spells it (``flag=``, ``choices=``) when that differs from the field's name."""
+    spells it (``flag=``, ``choices=``) when that differs from the field's name. (Typed ``Any``,
+    like ``dataclasses.field`` to a type checker, so a field keeps its own type.)"""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -148,7 +152,9 @@ class EngineConfig:
     """Everything ``LLM(...)``/``LLMEngine(...)`` accept, with defaults filled in.
 
     Each field's ``help`` says what it does and what ``None`` means; the server's flags are
-    generated from this list (:meth:`add_cli_args`), so a setting exists in one place.
+    generated from this list (:meth:`add_cli_args`), so a setting exists in one place. A field
+    typed ``int`` whose help says "None: ..." accepts None and holds the resolved number once
+    the config is built, so the engine never handles a None there.
     """
 
     model_dir: str
@@ -159,10 +165,10 @@ class EngineConfig:
     tensor_parallel_size: int = setting("ranks to split the model over (gloo on CPU, NCCL on GPU)", 1)
     enforce_eager: bool = setting("never capture CUDA graphs", False)
     max_num_seqs: int = setting("most requests in one batch (chapter 04)", 256)
-    max_num_batched_tokens: int | None = setting(
+    max_num_batched_tokens: int = setting(
         "token budget of one step; None: 2048 with chunked prefill, else max(max_model_len, 8192)")
-    max_model_len: int | None = setting("longest prompt + output; None: min(max_position_embeddings, 4096)")
-    kvcache_block_size: int | None = setting(
+    max_model_len: int = setting("longest prompt + output; None: min(max_position_embeddings, 4096)")
+    kvcache_block_size: int = setting(
         "tokens per KV block (chapter 01); None: 16, or 256 with flash-attn", flag="--block-size")
     num_kvcache_blocks: int | None = setting("KV blocks to allocate; None: sized from memory")
     gpu_memory_utilization: float = setting("share of the GPU's memory the engine may use", 0.9)
@@ -185,13 +191,13 @@ class EngineConfig:
                             "runs as fast as the tenth (seconds at start-up on a CPU)", True)
     step_trace: str | None = setting("write one JSON line per engine step to this file (docs/step_trace.md); "
                                      "None: no trace, no cost")
-    hf_config: object = field(default=None, init=False, repr=False)
-    torch_dtype: torch.dtype = field(default=None, init=False, repr=False)
-    torch_device: torch.device = field(default=None, init=False, repr=False)
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+    torch_dtype: torch.dtype = field(init=False, repr=False)
+    torch_device: torch.device = field(init=False, repr=False)
     speculative: SpeculativeConfig | None = field(default=None, init=False, repr=False)
     kv_transfer: KVTransferConfig | None = field(default=None, init=False, repr=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.hf_config = load_config(self.model_dir)
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
@@ -269,7 +275,7 @@ class EngineConfig:
         return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init and f.name != "model_dir"}
 
 
-def _json_dict(name: str):
+def _json_dict(name: str) -> Callable[[str], dict]:
     def parse(text: str) -> dict:
         try:
             value = json.loads(text)

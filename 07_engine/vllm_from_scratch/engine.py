@@ -27,6 +27,7 @@ import os
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +39,12 @@ from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.model_runner import ModelRunner
 from vllm_from_scratch.sampling_params import SamplingParams, check_int
 from vllm_from_scratch.step_trace import StepTracer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from vllm_from_scratch.kv_connector import KVConnectorScheduler
+    from vllm_from_scratch.spec_decoding import DraftProposer
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +85,7 @@ class IncrementalDetokenizer:
     strip a leading space (SentencePiece) see the context that decides it.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int]):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, prompt_token_ids: list[int]):
         self.tokenizer = tokenizer
         self.prefix_offset = max(len(prompt_token_ids) - 5, 0)
         self.read_offset = len(prompt_token_ids)
@@ -88,8 +95,9 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             return
         decode = partial(self.tokenizer.decode, skip_special_tokens=True)
-        prefix = decode(all_token_ids[self.prefix_offset:self.read_offset])
-        full = decode(all_token_ids[self.prefix_offset:])
+        # One sequence of ids decodes to one string (the stubs also allow a batch's list).
+        prefix = str(decode(all_token_ids[self.prefix_offset:self.read_offset]))
+        full = str(decode(all_token_ids[self.prefix_offset:]))
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(all_token_ids)
@@ -100,10 +108,11 @@ class EngineRequest(Request):
     generator, the detokenizer and how much text has been streamed."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
-                 eos_token_ids: list[int], block_size: int, tokenizer, priority: int = 0):
+                 eos_token_ids: list[int], block_size: int, tokenizer: PreTrainedTokenizerBase | None,
+                 priority: int = 0):
         super().__init__(request_id, prompt_token_ids, max_tokens=max_tokens, priority=priority,
                          eos_token_id=eos_token_ids, ignore_eos=params.ignore_eos,
-                         stop_token_ids=params.stop_token_ids, block_size=block_size)
+                         stop_token_ids=params.stop_token_ids or (), block_size=block_size)
         self.sampling_params = params
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_token_ids)
@@ -119,7 +128,8 @@ class EngineRequest(Request):
         return state
 
 
-def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int, max_model_len: int) -> list[int]:
+def encode_prompt(tokenizer: PreTrainedTokenizerBase | None, prompt: str | list[int], vocab_size: int,
+                  max_model_len: int) -> list[int]:
     """Token ids of ``prompt`` (text through ``tokenizer``, or ids as given), checked: not empty,
     inside the vocabulary, shorter than ``max_model_len``. :class:`ParameterError` on ``prompt``."""
     if isinstance(prompt, str):
@@ -158,7 +168,7 @@ def resolve_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model
     return min(max_tokens, room)
 
 
-def _load_tokenizer(model_dir: str):
+def _load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase | None:
     if not any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return None  # tiny test checkpoints: token-id prompts only
     from transformers import AutoTokenizer
@@ -174,7 +184,7 @@ class LLMEngine:
     ``model_config`` (the transformers config) and ``max_model_len``.
     """
 
-    def __init__(self, model_dir: str, **kwargs):
+    def __init__(self, model_dir: str, **kwargs: Any):
         self.config = EngineConfig(model_dir=str(model_dir), **kwargs)
         self.model_config = self.config.hf_config
         self.max_model_len = self.config.max_model_len
@@ -211,17 +221,19 @@ class LLMEngine:
             return PrefixCachingBlockManager(num_blocks, self.config.kvcache_block_size)
         return BlockManager(num_blocks, self.config.kvcache_block_size)
 
-    def _make_kv_connector(self):
+    def _make_kv_connector(self) -> KVConnectorScheduler | None:
         if self.config.kv_transfer is None:
             return None
+        from prefix_block_manager import PrefixCachingBlockManager
         from vllm_from_scratch.kv_connector import KVConnectorScheduler
 
+        assert isinstance(self.block_manager, PrefixCachingBlockManager), "the config requires prefix caching"
         # Rank 0's runner lives in this process: its pool answers the scheduler's queries.
         return KVConnectorScheduler(self.config.kv_transfer, self.block_manager, self.executor.runner.kv_worker)
 
     def _make_scheduler(self) -> Scheduler:
         cfg = self.config
-        args = dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        args: dict[str, Any] = dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                     num_gpu_blocks=self.block_manager.num_blocks, policy=cfg.scheduling_policy,
                     block_size=cfg.kvcache_block_size, block_manager=self.block_manager,
                     kv_connector=self.kv_connector)
@@ -231,7 +243,7 @@ class LLMEngine:
 
         return ChunkedPrefillScheduler(**args, long_prefill_token_threshold=cfg.long_prefill_token_threshold)
 
-    def _make_drafter(self, num_blocks: int):
+    def _make_drafter(self, num_blocks: int) -> DraftProposer | None:
         if self.config.speculative is None:
             return None
         from vllm_from_scratch.spec_decoding import DraftProposer
@@ -300,7 +312,7 @@ class LLMEngine:
         start = time.perf_counter() if self.tracer is not None else 0.0
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.kv_connector is not None:
-            self._load_remote_kv()
+            self._load_remote_kv(self.kv_connector)
         if self.drafter is not None:
             self.drafter.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
@@ -313,17 +325,18 @@ class LLMEngine:
         self.scheduler.update_from_output(sched, sampled)
         for req in sched.sampling_requests:
             if req.request_id in self.requests:  # not aborted while the forward ran
-                outputs.append(self._process(req, req.token_ids[num_tokens_before[req.request_id]:]))
+                outputs.append(self._process(self.requests[req.request_id],
+                                             req.token_ids[num_tokens_before[req.request_id]:]))
         if self.drafter is not None:
             self.drafter.release(sched.finished_request_ids | {o.request_id for o in outputs if o.finished})
         if self.tracer is not None:
             self.tracer.on_step(sched, sampled, outputs, start, time.perf_counter() - start)
         return outputs
 
-    def _load_remote_kv(self) -> None:
+    def _load_remote_kv(self, connector: KVConnectorScheduler) -> None:
         """Bring in the K/V the pool promised at the last admissions, before this step's forward:
         the requests then run with whatever arrived (the rest is computed)."""
-        loads = self.kv_connector.take_pending_loads()
+        loads = connector.take_pending_loads()
         if loads:
             self.scheduler.finish_remote_loads(self.executor.call("load_kv", loads))
 

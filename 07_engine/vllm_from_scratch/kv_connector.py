@@ -73,6 +73,7 @@ def pool_namespace(config: EngineConfig, tp_rank: int) -> str:
 def make_backend(transfer: KVTransferConfig) -> KVPoolBackend:
     if transfer.kv_connector == "embedded":
         return EmbeddedKVPool(transfer.global_segment_size or 1 << 30)
+    assert transfer.master_server_address and transfer.metadata_server, "KVTransferConfig requires both for mooncake"
     return MooncakeKVPool(transfer.master_server_address, transfer.metadata_server,
                           global_segment_size=transfer.global_segment_size, protocol=transfer.protocol)
 

@@ -12,11 +12,13 @@ import functools
 import glob
 import logging
 import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig
+from torch.distributed import ProcessGroup
+from transformers import AutoConfig, PretrainedConfig
 
 from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.models import get_model_class
@@ -63,7 +65,7 @@ def _auto_dtype(device_type: str) -> torch.dtype:
     return dtype
 
 
-def load_config(model_dir: str):
+def load_config(model_dir: str) -> PretrainedConfig:
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"model_dir {model_dir!r} has no config.json")
     return AutoConfig.from_pretrained(model_dir)
@@ -98,7 +100,8 @@ def load_weights(model: torch.nn.Module, model_dir: str) -> None:
                         continue  # the head *is* the embedding
                     raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
                 param = params[target]
-                weight_loader = getattr(param, "weight_loader", default_weight_loader)
+                # A parallel layer's parameter carries its own loader, which takes a shard id.
+                weight_loader: Callable[..., None] = getattr(param, "weight_loader", default_weight_loader)
                 tensor = f.get_tensor(name)
                 if shard_id is None:
                     weight_loader(param, tensor)
@@ -111,7 +114,7 @@ def load_weights(model: torch.nn.Module, model_dir: str) -> None:
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype):
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -120,8 +123,9 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def get_model(model_dir: str, dtype=None, device: str | torch.device = "cpu", tp_rank: int = 0,
-              tp_size: int = 1, tp_group=None, config=None) -> torch.nn.Module:
+def get_model(model_dir: str, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
+              tp_rank: int = 0, tp_size: int = 1, tp_group: ProcessGroup | None = None,
+              config: PretrainedConfig | None = None) -> torch.nn.Module:
     """Build the registered model class for ``model_dir`` on ``device`` and load its weights."""
     config = config or load_config(model_dir)
     torch_dtype = resolve_dtype(dtype, device)

@@ -46,7 +46,7 @@ class ModelRunner:
         tp_rank / tp_group: this rank and its process group when ``tensor_parallel_size > 1``.
     """
 
-    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_group=None):
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_group: dist.ProcessGroup | None = None):
         self.config = config
         self.device = config.torch_device
         if self.device.type == "cuda" and config.tensor_parallel_size > 1:
@@ -63,7 +63,7 @@ class ModelRunner:
         # The Triton kernel on a GPU; the torch version (same noise, same tokens) elsewhere.
         self.rejection_sampler = rejection_sample_triton if self.device.type == "cuda" and HAS_TRITON \
             else rejection_sample
-        self.kv_cache = None
+        self.kv_cache: torch.Tensor  # [2, layers, blocks, block_size, kv_heads, head_dim], set by the next line
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.kv_worker = KVConnectorWorker(config, tp_rank, self.kv_cache) if config.kv_transfer else None
         self.graph_runner = self.capture_cudagraph() if self.device.type == "cuda" and not config.enforce_eager else None
@@ -89,7 +89,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             used_by_others = total - free
             # Keep (1 - utilization) of the card free, plus headroom for activations of a full batch.
-            hidden = self.model.config.hidden_size
+            hidden = cfg.hf_config.hidden_size
             activations = cfg.max_num_batched_tokens * hidden * 4 * 16
             budget = int(total * cfg.gpu_memory_utilization) - used_by_others - activations
         else:
@@ -164,7 +164,9 @@ class ModelRunner:
             hidden = self.graph_runner.run(batch.input_ids, batch.positions, md)
         else:
             hidden = self.model(batch.input_ids, batch.positions, md)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        # nn.Module's __getattr__ types every attribute as Tensor | Module; every registered
+        # model defines compute_logits (models/__init__.py).
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # type: ignore[operator]
         # Under tensor parallelism only rank 0 receives the gathered logits and samples.
         return None if logits is None else logits.float()
 
@@ -192,6 +194,7 @@ class ModelRunner:
     def load_kv(self, transfers: list[BlockTransfer]) -> dict[str, int]:
         """Load blocks from the global KV pool into this rank's cache; ``{request_id: tokens}``
         that every rank loaded (under tensor parallelism, the fewest any rank got)."""
+        assert self.kv_worker is not None, "the engine only loads with a kv_transfer_config"
         loaded = self.kv_worker.load(transfers)
         if self.config.tensor_parallel_size > 1 and loaded:
             counts = torch.tensor([loaded[t.request_id] for t in transfers], device=self.device)

@@ -97,7 +97,7 @@ class DraftProposer:
         if spec is None:
             raise ValueError("DraftProposer needs an engine config with a speculative_config")
         self.k = spec.num_speculative_tokens
-        self.method = spec.method
+        self.proposer: NgramProposer | DraftModelProposer
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:
@@ -123,7 +123,8 @@ class DraftProposer:
         if not decoding:
             return
         contexts = [r.token_ids for r in decoding]
-        if self.method == "ngram":
+        drafts: list[list[int]]
+        if isinstance(self.proposer, NgramProposer):
             drafts = self.proposer.propose(contexts, self.k)
         else:
             drafts, _ = self.proposer.propose(contexts, self.k, keys=[r.request_id for r in decoding])
@@ -132,5 +133,5 @@ class DraftProposer:
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget the draft model's state of requests that ended."""
-        if self.method == "draft_model":
+        if isinstance(self.proposer, DraftModelProposer):
             self.proposer.release(list(request_ids))
