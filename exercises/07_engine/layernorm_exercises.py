@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+def forward(
+    self, x: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Extra: RMSNorm, with the residual add fused in
 
     Becomes ``RMSNorm.forward`` (a method: ``self`` is the RMSNorm). Call parent methods as

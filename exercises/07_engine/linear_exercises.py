@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 
-def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: str) -> None:
+def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: str | None = None) -> None:
     """Load q, k and v checkpoint tensors into their slices of the fused QKV weight
 
     Becomes ``QKVParallelLinear.weight_loader`` (a method: ``self`` is the QKVParallelLinear).

@@ -7,10 +7,12 @@ the chapter's own; see exercises/README.md for how your function is put in place
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     """Llama 3.x's frequency-dependent stretch: long wavelengths slowed by ``factor``.
 
     Hint: Wavelengths longer than original_max_position_embeddings / low_freq_factor are divided
@@ -22,7 +24,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     raise NotImplementedError("Exercise 07.4: implement _llama3_inv_freq — see 07_engine/README.md#exercises")
 
 
-def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Extra: rotary position embeddings from a precomputed cos/sin cache
 
     Becomes ``RotaryEmbedding.forward`` (a method: ``self`` is the RotaryEmbedding). Call parent

@@ -8,6 +8,8 @@ the only rank that samples.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -15,14 +17,20 @@ from torch import nn
 
 from block_manager import cdiv
 from vllm_from_scratch.distributed import gather_to_first_rank
-from vllm_from_scratch.layers.linear import _check_tp
+from vllm_from_scratch.layers.linear import TPArgs, _check_tp, set_weight_attrs
 from vllm_from_scratch.layers.prepacked import PrepackableWeight
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
-class VocabParallelEmbedding(nn.Module):
-    """``nn.Embedding`` whose rows (token ids) are split across ranks."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+class VocabParallelWeight(nn.Module):
+    """A ``[vocab, dim]`` weight whose rows (token ids) are split across ranks: what the embedding
+    and the LM head share. Their ``forward``s differ in what they return, so neither subclasses
+    the other."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1,
+                 tp_group: dist.ProcessGroup | None = None):
         super().__init__()
         _check_tp(tp_rank, tp_size)
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
@@ -31,12 +39,16 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_idx = self.num_embeddings_per_partition * tp_rank
         self.vocab_end_idx = min(self.vocab_start_idx + self.num_embeddings_per_partition, num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         shard = loaded_weight[self.vocab_start_idx:self.vocab_end_idx]
         param.data[: shard.size(0)].copy_(shard)
         param.data[shard.size(0):].zero_()
+
+
+class VocabParallelEmbedding(VocabParallelWeight):
+    """``nn.Embedding`` whose rows (token ids) are split across ranks."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -48,11 +60,11 @@ class VocabParallelEmbedding(nn.Module):
         return y
 
 
-class ParallelLMHead(PrepackableWeight, VocabParallelEmbedding):
+class ParallelLMHead(PrepackableWeight, VocabParallelWeight):
     """The output projection to vocabulary logits: rank 0 returns the full logits, other ranks
     None (a gather, not an all-gather: only rank 0 samples)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, **tp):
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, **tp: Unpack[TPArgs]):
         if bias:
             raise ValueError("bias=True is not supported by ParallelLMHead")
         super().__init__(num_embeddings, embedding_dim, **tp)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,7 +27,14 @@ class RMSNorm(nn.Module):
         # decode step runs 61 norms, each of them mostly per-op overhead.
         return F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.weight
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -15,17 +15,37 @@ rank's* slice of a full checkpoint tensor; ``loader.py`` calls it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, TypedDict
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from vllm_from_scratch.layers.prepacked import PrepackableWeight
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+
+class TPArgs(TypedDict, total=False):
+    """The tensor-parallel keywords every layer takes (and a model passes down as ``**tp``)."""
+
+    tp_rank: int
+    tp_size: int
+    tp_group: dist.ProcessGroup | None
+
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) must be divisible by tp_size ({denominator})")
     return numerator // denominator
+
+
+def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:
+    """Attach ``attrs`` to ``param`` as attributes, as vLLM's ``set_weight_attrs`` does: a
+    ``Parameter`` has no ``weight_loader`` field, yet ``loader.py`` finds one there by ``getattr``."""
+    for name, value in attrs.items():
+        setattr(param, name, value)
 
 
 def _check_tp(tp_rank: int, tp_size: int) -> None:
@@ -38,8 +58,10 @@ def _check_tp(tp_rank: int, tp_size: int) -> None:
 class LinearBase(PrepackableWeight, nn.Module):
     """A linear layer whose weight is split along ``tp_dim`` (0: output rows, 1: input columns)."""
 
+    bias: nn.Parameter | None
+
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,
-                 tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+                 tp_rank: int = 0, tp_size: int = 1, tp_group: dist.ProcessGroup | None = None):
         super().__init__()
         _check_tp(tp_rank, tp_size)
         self.input_size, self.output_size = input_size, output_size
@@ -47,10 +69,10 @@ class LinearBase(PrepackableWeight, nn.Module):
 
     def _make_params(self, out_features: int, in_features: int, bias: bool, bias_features: int) -> None:
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
         if bias:
             self.bias = nn.Parameter(torch.empty(bias_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            set_weight_attrs(self.bias, {"weight_loader": self.weight_loader})
         else:
             self.register_parameter("bias", None)
 
@@ -61,7 +83,7 @@ class LinearBase(PrepackableWeight, nn.Module):
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight (small projections that are not worth splitting)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, **tp):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, **tp: Unpack[TPArgs]):
         super().__init__(input_size, output_size, bias, None, **tp)
         self._make_params(output_size, input_size, bias, output_size)
 
@@ -75,7 +97,7 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """``y = x W^T`` with W's output rows split: rank r holds rows ``[r*n, (r+1)*n)``."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, **tp):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, **tp: Unpack[TPArgs]):
         super().__init__(input_size, output_size, bias, 0, **tp)
         self.output_size_per_partition = divide(output_size, self.tp_size, "output_size")
         self._make_params(self.output_size_per_partition, input_size, bias, self.output_size_per_partition)
@@ -95,13 +117,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     the activation that follows can split the output in two without communication.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, **tp):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, **tp: Unpack[TPArgs]):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, **tp)
         for size in self.output_sizes:
             divide(size, self.tp_size, "each of output_sizes")
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id: int | None = None) -> None:
+        # The shard id is optional only so that this still overrides ColumnParallelLinear's
+        # two-argument loader; a fused weight cannot be loaded without naming its part.
+        if loaded_shard_id is None:
+            raise ValueError("loaded_shard_id must be the index of a part of output_sizes, got None")
         shard_offset = sum(self.output_sizes[:loaded_shard_id]) // self.tp_size
         shard_size = self.output_sizes[loaded_shard_id] // self.tp_size
         target = param.data.narrow(0, shard_offset, shard_size)
@@ -116,7 +143,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
-                 total_num_kv_heads: int | None = None, bias: bool = False, **tp):
+                 total_num_kv_heads: int | None = None, bias: bool = False, **tp: Unpack[TPArgs]):
         total_num_kv_heads = total_num_kv_heads or total_num_heads
         tp_size = tp.get("tp_size", 1)
         self.head_size = head_size
@@ -125,10 +152,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
         super().__init__(hidden_size, output_size, bias, **tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id: str | None = None) -> None:
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
         offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+        # The shard id is optional only so that this overrides ColumnParallelLinear's two-argument
+        # loader; None is refused here like any name that is not a part.
         if loaded_shard_id not in offsets:
             raise ValueError(f"loaded_shard_id must be 'q', 'k' or 'v', got {loaded_shard_id!r}")
         shard_offset, shard_size = offsets[loaded_shard_id]
@@ -142,7 +172,7 @@ class RowParallelLinear(LinearBase):
     The bias is added once (by rank 0) so the all-reduce does not multiply it by ``tp_size``.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, **tp):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, **tp: Unpack[TPArgs]):
         super().__init__(input_size, output_size, bias, 1, **tp)
         self.input_size_per_partition = divide(input_size, self.tp_size, "input_size")
         self._make_params(output_size, self.input_size_per_partition, bias, output_size)

@@ -41,6 +41,8 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +79,7 @@ def pack_weight(weight: torch.Tensor, batch_size_hint: int = 32) -> torch.Tensor
         return None
 
 
-def _cpu_seconds(fn, repeats: int = 3) -> float:
+def _cpu_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
     fn()
     best = math.inf
     for _ in range(repeats):
@@ -103,7 +105,8 @@ def bf16_matmul_is_slow() -> bool:
         seconds = {}
         for dtype in (torch.bfloat16, torch.float32):
             xd, packed = x.to(dtype), pack_weight(w.to(dtype), 256)
-            seconds[dtype] = _cpu_seconds(lambda: torch.ops.mkldnn._linear_pointwise(xd, packed, None, "none", [], ""))
+            seconds[dtype] = _cpu_seconds(functools.partial(torch.ops.mkldnn._linear_pointwise,
+                                                            xd, packed, None, "none", [], ""))
     finally:
         torch.set_num_threads(threads)
     return 1.25 * seconds[torch.float32] < seconds[torch.bfloat16]
@@ -124,6 +127,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class PrepackableWeight:
     """Mixin for a module with a 2-D ``weight``: ``prepack()`` it once loaded, then ``self.matmul(x)``."""
 
+    weight: torch.nn.Parameter
     packed_weight: torch.Tensor | None = None
     packed_weight_fp32: torch.Tensor | None = None
 
@@ -142,6 +146,14 @@ class PrepackableWeight:
         return linear(x, self.weight, bias, self.packed_weight, self.packed_weight_fp32)
 
 
+@runtime_checkable
+class Prepackable(Protocol):
+    """What :func:`prepack_model` looks for: any module with a ``prepack()`` method, whether or not
+    it uses the mixin (a registered model's own layers may pack their own way)."""
+
+    def prepack(self, float32_copy: bool | None = None) -> bool: ...
+
+
 def prepack_model(model: torch.nn.Module, float32_copies: bool | None = None) -> int:
     """Pack the weight of every module that has a ``prepack()`` method; returns how many packed.
 
@@ -149,4 +161,4 @@ def prepack_model(model: torch.nn.Module, float32_copies: bool | None = None) ->
     where :func:`bf16_matmul_is_slow`, or always / never. Call it after the weights are loaded:
     a packed copy does not follow later edits of ``weight``.
     """
-    return sum(bool(m.prepack(float32_copies)) for m in model.modules() if hasattr(m, "prepack"))
+    return sum(bool(m.prepack(float32_copies)) for m in model.modules() if isinstance(m, Prepackable))

@@ -16,12 +16,13 @@ and the same roundings, so the same bits.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     """Llama 3.x's frequency-dependent stretch: long wavelengths slowed by ``factor``."""
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -37,15 +38,18 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Apply RoPE to q and k of shape ``[T, heads * head_size]`` (or ``[T, heads, head_size]``)."""
 
-    def __init__(self, head_size: int, max_position: int, base: float, rope_scaling: dict | None = None):
+    cos_sin_cache: torch.Tensor
+
+    def __init__(self, head_size: int, max_position: int, base: float, rope_scaling: dict[str, Any] | None = None):
         super().__init__()
         if head_size % 2:
             raise ValueError(f"head_size must be even, got {head_size}")
         self.head_size = head_size
         inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
-        rope_type = (rope_scaling or {}).get("rope_type", "default")
+        scaling = rope_scaling or {}
+        rope_type = scaling.get("rope_type", "default")
         if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type != "default":
             raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, llama3)")
         freqs = torch.arange(max_position, dtype=torch.float).unsqueeze(1) * inv_freq.unsqueeze(0)
@@ -61,15 +65,16 @@ class RotaryEmbedding(nn.Module):
         x = x.view(shape[0], -1, self.head_size)
         return (x * cos + x.roll(self.head_size // 2, dims=-1) * sin).view(shape)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 
-_ROPES: dict[tuple, RotaryEmbedding] = {}
+_ROPES: dict[tuple[int, int, float, str, str], RotaryEmbedding] = {}
 
 
-def get_rope(head_size: int, max_position: int, base: float, rope_scaling: dict | None = None) -> RotaryEmbedding:
+def get_rope(head_size: int, max_position: int, base: float,
+             rope_scaling: dict[str, Any] | None = None) -> RotaryEmbedding:
     """The rotary embedding for these settings on the current default device, built once and
     shared by every layer that asks (vLLM's ``get_rope`` does the same): the default model's
     30 layers would otherwise hold 30 identical 4 MB caches."""

@@ -9,8 +9,12 @@ been registered that way too, but a string in the table costs no import until it
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _MODELS: dict[str, str | type[nn.Module]] = {
     "LlamaForCausalLM": "vllm_from_scratch.models.llama:LlamaForCausalLM",
@@ -69,7 +73,7 @@ def _resolve(entry: str | type[nn.Module]) -> type[nn.Module]:
     return getattr(importlib.import_module(module), name)
 
 
-def get_model_class(config) -> type[nn.Module]:
+def get_model_class(config: PretrainedConfig) -> type[nn.Module]:
     """The model class for a transformers config (``ValueError`` for an unknown architecture)."""
     architectures = getattr(config, "architectures", None) or []
     for arch in architectures:

@@ -8,6 +8,8 @@ each checkpoint tensor goes). Attention receives its batch metadata as an argume
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
 
@@ -15,11 +17,15 @@ from vllm_from_scratch.layers.activation import SiluAndMul
 from vllm_from_scratch.layers.attention import Attention, AttentionMetadata
 from vllm_from_scratch.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from vllm_from_scratch.layers.layernorm import RMSNorm
-from vllm_from_scratch.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vllm_from_scratch.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, TPArgs
 from vllm_from_scratch.layers.rotary_embedding import get_rope
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from transformers import PretrainedConfig
 
-def rope_settings(config) -> tuple[float, dict | None]:
+
+def rope_settings(config: PretrainedConfig) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, rope_scaling)`` from a transformers 5 ``rope_parameters`` or older fields."""
     params = getattr(config, "rope_parameters", None) or {}
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -30,9 +36,10 @@ def rope_settings(config) -> tuple[float, dict | None]:
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention: fused QKV, RoPE, paged attention, output projection."""
 
-    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1,
+                 tp_group: ProcessGroup | None = None):
         super().__init__()
-        tp = dict(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        tp = TPArgs(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         qkv_bias, o_bias = self.projection_biases(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
@@ -46,16 +53,17 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
 
     @staticmethod
-    def projection_biases(config) -> tuple[bool, bool]:
+    def projection_biases(config: PretrainedConfig) -> tuple[bool, bool]:
         """Whether ``qkv_proj`` and ``o_proj`` have a bias: Llama's ``attention_bias`` sets both."""
         bias = getattr(config, "attention_bias", False)
         return bias, bias
 
-    def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook for models that normalise q and k per head before RoPE (Qwen3)."""
         return q, k
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata):
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.qk_norm(q, k)
         q, k = self.rotary_emb(positions, q, k)
@@ -65,13 +73,15 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
 
-    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1,
+                 tp_group: ProcessGroup | None = None):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
-        tp = dict(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        tp = TPArgs(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias, **tp)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
+                                                       **tp)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, **tp)
         self.act_fn = SiluAndMul()
 
@@ -82,15 +92,17 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
 
-    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1,
+                 tp_group: ProcessGroup | None = None):
         super().__init__()
-        tp = dict(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        tp = TPArgs(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         self.self_attn = self.attention_cls(config, **tp)
         self.mlp = LlamaMLP(config, **tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden_states, residual, attn_metadata):
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -104,14 +116,16 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     decoder_layer_cls = LlamaDecoderLayer
 
-    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1,
+                 tp_group: ProcessGroup | None = None):
         super().__init__()
-        tp = dict(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        tp = TPArgs(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **tp)
         self.layers = nn.ModuleList(self.decoder_layer_cls(config, **tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, attn_metadata):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
@@ -125,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     model_cls = LlamaModel
-    packed_modules_mapping = {
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
@@ -133,17 +147,19 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1,
+                 tp_group: ProcessGroup | None = None):
         super().__init__()
-        tp = dict(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        tp = TPArgs(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         self.config = config
         self.model = self.model_cls(config, **tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, **tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden_states)

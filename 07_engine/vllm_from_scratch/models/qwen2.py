@@ -6,7 +6,13 @@ kept outside this package would call ``vllm_from_scratch.register_model`` instea
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from vllm_from_scratch.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from transformers import PretrainedConfig
 
 
 class Qwen2Attention(LlamaAttention):
@@ -14,7 +20,7 @@ class Qwen2Attention(LlamaAttention):
     ``o_proj`` bias, whatever the config says."""
 
     @staticmethod
-    def projection_biases(config) -> tuple[bool, bool]:
+    def projection_biases(config: PretrainedConfig) -> tuple[bool, bool]:
         return True, False
 
 
@@ -32,7 +38,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     model_cls = Qwen2Model
 
-    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1,
+                 tp_group: ProcessGroup | None = None):
         if "sliding_attention" in (getattr(config, "layer_types", None) or []):
             raise ValueError("Qwen2 sliding-window attention (use_sliding_window=True) is not supported")
         super().__init__(config, tp_rank, tp_size, tp_group)
