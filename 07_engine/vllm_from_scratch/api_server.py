@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,11 +34,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vllm_from_scratch.async_llm import AsyncLLM
 from vllm_from_scratch.metrics import CONTENT_TYPE, ServerMetrics
-from vllm_from_scratch.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                               error_body, now)
+from vllm_from_scratch.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, now
 from vllm_from_scratch.serving import OpenAIServing
 from vllm_from_scratch.streaming import ClientGone
 from vllm_from_scratch.viz_server import add_viz_routes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from vllm_from_scratch.engine import LLMEngine
 
 
 # Paths open without the API key: load balancers' probes and Prometheus scrapers. An allow-list,
@@ -63,8 +69,8 @@ def default_max_request_bytes(max_model_len: int) -> int:
     return max_model_len * BYTES_PER_TOKEN + BODY_OVERHEAD_BYTES
 
 
-def build_app(engine, served_model_name: str, tokenizer=None, api_key: str | None = None,
-              max_request_bytes: int | None = None) -> FastAPI:
+def build_app(engine: LLMEngine, served_model_name: str, tokenizer: PreTrainedTokenizerBase | None = None,
+              api_key: str | None = None, max_request_bytes: int | None = None) -> FastAPI:
     """The FastAPI application serving ``engine`` (an ``LLMEngine`` or anything with its API).
 
     ``tokenizer`` defaults to ``engine.tokenizer``; the CLI passes a second instance, because
@@ -79,7 +85,7 @@ def build_app(engine, served_model_name: str, tokenizer=None, api_key: str | Non
                             engine.config.vocab_size)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         llm.start()
         try:
             yield
@@ -93,28 +99,29 @@ def build_app(engine, served_model_name: str, tokenizer=None, api_key: str | Non
     app.state.metrics = metrics
 
     @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, raw: Request):
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await serving.create_completion(body, raw)
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.create_chat_completion(body, raw)
 
-    @app.get("/v1/models")
-    async def list_models():
+    # response_model=None: the dict goes out as it is, not validated against the annotation.
+    @app.get("/v1/models", response_model=None)
+    async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": now(),
             "owned_by": "vllm-from-scratch", "max_model_len": serving.max_model_len}]}
 
     @app.get("/health")
-    async def health():
+    async def health() -> Response:
         if not llm.is_running:
             return JSONResponse(error_body(f"engine loop is dead: {llm.error!r}", "server_error"),
                                 status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")
-    async def prometheus_metrics():
+    async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     add_viz_routes(app, engine)
@@ -131,16 +138,16 @@ def add_error_handlers(app: FastAPI) -> None:
     """Every error leaves as an OpenAI error body (``{"error": {message, type, param, code}}``)."""
 
     @app.exception_handler(APIError)
-    async def on_api_error(_: Request, exc: APIError):
+    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError):
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         err = validation_error(exc)
         return JSONResponse(err.body(), status_code=err.status_code)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException):
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = str(exc.detail)
         if isinstance(exc.__cause__, ValueError | RecursionError):
             # FastAPI's "error parsing the body": say why (bad UTF-8, nesting too deep).
@@ -149,7 +156,7 @@ def add_error_handlers(app: FastAPI) -> None:
                             status_code=exc.status_code)
 
     @app.exception_handler(ClientGone)
-    async def on_client_gone(_: Request, __: ClientGone):
+    async def on_client_gone(_: Request, __: ClientGone) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
 
@@ -183,7 +190,7 @@ class APIKeyMiddleware:
     the key. The key is never logged or echoed.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str):
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._digest = hashlib.sha256(api_key.encode()).digest()
 
@@ -212,7 +219,7 @@ class RequestSizeLimitMiddleware:
     event loop while they run, never see more than the limit.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 

@@ -10,7 +10,7 @@ class ParameterError(ValueError):
     set), so rewording a message never changes which field the API blames.
     """
 
-    def __init__(self, param: str, message: str, code: str | None = None):
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
         super().__init__(f"{param} {message}")
         self.param = param
         self.code = code

@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.types import FailFast
-from typing_extensions import TypeAliasType
+from typing_extensions import TypeAliasType, TypeIs
 
 
 class APIError(Exception):
     """An error the client caused (or the server hit), rendered as an OpenAI error body."""
 
     def __init__(self, message: str, status_code: int = 400, param: str | None = None,
-                 code: str | None = None, type: str | None = None):
+                 code: str | None = None, type: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status_code = status_code
@@ -39,7 +39,7 @@ class APIError(Exception):
         self.code = code
         self.type = type or _default_error_type(status_code)
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
 
@@ -52,7 +52,7 @@ def _default_error_type(status_code: int) -> str:
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+               code: str | None = None) -> dict[str, Any]:
     """``{"error": {"message", "type", "param", "code"}}``, the shape the openai client parses."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -96,6 +96,10 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: FirstErrorList[int] | None = None
     priority: int = 0  # lower first, with the server's --scheduling-policy priority
+    if TYPE_CHECKING:
+        # Each endpoint declares its own, with its own default and place in the field order (the
+        # order validation errors are listed in).
+        max_tokens: int | None
 
     def check_supported(self) -> None:
         """Refuse what the engine cannot do, naming the field (400)."""
@@ -171,9 +175,14 @@ class CompletionRequest(_SamplingFields):
             return [p]
         if not p:
             raise APIError("prompt must not be empty", param="prompt")
-        if all(isinstance(x, int) for x in p):
+        if _is_token_ids(p):
             return [list(p)]
         return list(p)
+
+
+def _is_token_ids(prompt: list[int] | list[str] | list[list[int]]) -> TypeIs[list[int]]:
+    """One prompt of token ids, rather than a batch of prompts."""
+    return all(isinstance(x, int) for x in prompt)
 
 
 class ChatMessage(BaseModel):
@@ -235,7 +244,7 @@ class ChatCompletionRequest(_SamplingFields):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}

@@ -10,7 +10,7 @@ from vllm_from_scratch.errors import ParameterError
 INT64_MAX = 2**63 - 1
 
 
-def check_int(name: str, value, low: int, high: int = INT64_MAX) -> None:
+def check_int(name: str, value: object, low: int, high: int = INT64_MAX) -> None:
     """``value`` must be an int (not a bool) in ``[low, high]``: 64-bit, like the kernels' ids."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise ParameterError(name, f"must be an integer, got {value!r}")
@@ -19,7 +19,7 @@ def check_int(name: str, value, low: int, high: int = INT64_MAX) -> None:
         raise ParameterError(name, f"must {bounds}, got {value}")
 
 
-def check_float(name: str, value, low: float, high: float = math.inf, low_inclusive: bool = True) -> None:
+def check_float(name: str, value: object, low: float, high: float = math.inf, low_inclusive: bool = True) -> None:
     """``value`` must be a finite number in ``[low, high]`` (``(low, high]`` if not ``low_inclusive``)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise ParameterError(name, f"must be a finite number, got {value!r}")
@@ -55,7 +55,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     seed: int | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple, type(None))):
@@ -74,8 +74,11 @@ class SamplingParams:
             check_int("max_tokens", self.max_tokens, 1)
         if not isinstance(self.ignore_eos, bool):
             raise ParameterError("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        # Lists since __post_init__, unless reassigned since (the engine validates again).
+        if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ParameterError("stop", f"must be non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ParameterError("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         for t in self.stop_token_ids:
             check_int("stop_token_ids", t, 0)
         if self.seed is not None:

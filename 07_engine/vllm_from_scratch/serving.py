@@ -15,22 +15,26 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm_from_scratch.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from vllm_from_scratch.engine import encode_prompt
+from vllm_from_scratch.engine import RequestOutput, encode_prompt
 from vllm_from_scratch.errors import ParameterError
-from vllm_from_scratch.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, now,
-                                               random_id, usage)
+from vllm_from_scratch.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, now, random_id, usage
 from vllm_from_scratch.sampling_params import SamplingParams
 from vllm_from_scratch.streaming import SSE_DONE, collect_or_abort, sse, stream_events
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+OpenAIRequest: TypeAlias = CompletionRequest | ChatCompletionRequest
+BodyT = TypeVar("BodyT", bound=OpenAIRequest)
 T = TypeVar("T")
 # Request bodies prepared at once. Two: one long body does not hold up every other client's
 # request, and the bodies being tokenized together (each up to the size limit) stay few.
@@ -47,7 +51,7 @@ class Choice:
     cached_tokens: int = 0
     finish_reason: str | None = None
 
-    def update(self, out) -> None:
+    def update(self, out: RequestOutput) -> None:
         self.text += out.new_text
         self.completion_tokens += len(out.new_token_ids)
         self.cached_tokens = out.num_cached_tokens or 0
@@ -72,8 +76,8 @@ class OpenAIServing:
     lowest CPU priority (:func:`lowest_cpu_priority`): the requests already running come first.
     """
 
-    def __init__(self, llm: AsyncLLM, served_model_name: str, tokenizer, max_model_len: int,
-                 vocab_size: int):
+    def __init__(self, llm: AsyncLLM, served_model_name: str, tokenizer: PreTrainedTokenizerBase | None,
+                 max_model_len: int, vocab_size: int) -> None:
         self.llm = llm
         self.served_model_name = served_model_name
         self.tokenizer = tokenizer
@@ -93,7 +97,7 @@ class OpenAIServing:
 
     # ---- the worker thread's part: body in, SamplingParams and checked token ids out --------
 
-    async def in_worker(self, prepare: Callable[[Any], T], body) -> T:
+    async def in_worker(self, prepare: Callable[[BodyT], T], body: BodyT) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, prepare, body)
 
     def prepare_completion(self, body: CompletionRequest) -> tuple[SamplingParams, list[list[int]]]:
@@ -102,7 +106,7 @@ class OpenAIServing:
     def prepare_chat(self, body: ChatCompletionRequest) -> tuple[SamplingParams, list[int]]:
         return sampling_params(body), self.encode(self.render_chat(body.conversation()), body)
 
-    def encode(self, prompt: str | list[int], body) -> list[int]:
+    def encode(self, prompt: str | list[int], body: OpenAIRequest) -> list[int]:
         """Token ids of ``prompt``, checked by the engine's own :func:`engine.encode_prompt`."""
         try:
             return encode_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
@@ -110,15 +114,20 @@ class OpenAIServing:
             raise api_error(exc, body.field_names) from exc
 
     def render_chat(self, conversation: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError("cannot apply the chat template: this checkpoint has no tokenizer", param="messages")
         try:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            # tokenize=False renders one conversation to its text; transformers types the return
+            # of every mode of the call at once.
+            text = cast(str, self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                                 add_generation_prompt=True))
         except Exception as exc:  # noqa: BLE001 - a template error is the messages' fault
             raise APIError(f"cannot apply the chat template: {exc}", param="messages") from exc
         # The template already wrote the special tokens (BOS, role markers).
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     async def start(self, base_id: str, prompts: list[list[int]], params: SamplingParams,
-                    body) -> list[RequestStream]:
+                    body: OpenAIRequest) -> list[RequestStream]:
         """Add every prompt to the engine; on any refusal, abort the ones already added."""
         streams: list[RequestStream] = []
         try:
@@ -156,7 +165,8 @@ class OpenAIServing:
             "usage": total_usage(choices),
         })
 
-    async def _completion_events(self, streams, choices, header, body):
+    async def _completion_events(self, streams: list[RequestStream], choices: list[Choice],
+                                 header: dict[str, Any], body: CompletionRequest) -> AsyncIterator[str]:
         def chunk(i: int, text: str, finish_reason: str | None) -> str:
             return sse({**header, "choices": [{"index": i, "text": text, "logprobs": None,
                                                "finish_reason": finish_reason}]})
@@ -190,7 +200,8 @@ class OpenAIServing:
             "usage": total_usage(choices),
         })
 
-    async def _chat_events(self, streams, choices, header, body):
+    async def _chat_events(self, streams: list[RequestStream], choices: list[Choice],
+                           header: dict[str, Any], body: ChatCompletionRequest) -> AsyncIterator[str]:
         def chunk(i: int, text: str | None, finish_reason: str | None, role: bool = False) -> str:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
@@ -221,7 +232,7 @@ def lowest_cpu_priority() -> None:
         pass  # not Linux, or refused: the work runs at normal priority
 
 
-def sampling_params(body) -> SamplingParams:
+def sampling_params(body: OpenAIRequest) -> SamplingParams:
     """The body's ``SamplingParams``; the engine's refusal as a 400 naming the body's field."""
     try:
         return SamplingParams(**body.sampling_kwargs())
@@ -229,7 +240,7 @@ def sampling_params(body) -> SamplingParams:
         raise api_error(exc, body.field_names) from exc
 
 
-def total_usage(choices: list[Choice]) -> dict:
+def total_usage(choices: list[Choice]) -> dict[str, Any]:
     return usage(sum(c.prompt_tokens for c in choices),
                  sum(c.completion_tokens for c in choices),
                  sum(c.cached_tokens for c in choices))

@@ -12,15 +12,18 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
 from vllm_from_scratch.async_llm import EngineDeadError, RequestStream
 from vllm_from_scratch.openai_protocol import APIError, error_body
 
+if TYPE_CHECKING:
+    from vllm_from_scratch.engine import RequestOutput
 
-def sse(data: dict | str) -> str:
+
+def sse(data: dict[str, Any] | str) -> str:
     """One server-sent event: ``data: <json>`` and a blank line (``[DONE]`` is sent verbatim)."""
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {payload}\n\n"
@@ -33,13 +36,13 @@ class ClientGone(Exception):
     """The client disconnected before a whole (non-streamed) response was ready."""
 
 
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several requests' outputs as they come, tagged with their choice index."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
         return
-    merged: asyncio.Queue = asyncio.Queue()
+    merged: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:
         try:
@@ -65,8 +68,8 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
             t.cancel()
 
 
-async def stream_events(streams: list[RequestStream], on_output: Callable[[int, Any], None],
-                        chunk: Callable[..., str]) -> AsyncIterator[str]:
+async def stream_events(streams: list[RequestStream], on_output: Callable[[int, RequestOutput], None],
+                        chunk: Callable[[int, str, str | None], str]) -> AsyncIterator[str]:
     """SSE chunks (made by ``chunk(index, text, finish_reason)``) for every output that carries
     text or a finish reason; ``on_output(index, output)`` sees every output first.
 
@@ -85,7 +88,7 @@ async def stream_events(streams: list[RequestStream], on_output: Callable[[int, 
             s.abort()
 
 
-async def _collect(streams: list[RequestStream], on_output: Callable[[int, Any], None]) -> None:
+async def _collect(streams: list[RequestStream], on_output: Callable[[int, RequestOutput], None]) -> None:
     try:
         async for i, out in merge_streams(streams):
             on_output(i, out)
@@ -95,7 +98,7 @@ async def _collect(streams: list[RequestStream], on_output: Callable[[int, Any],
 
 
 async def collect_or_abort(raw: Request, streams: list[RequestStream],
-                           on_output: Callable[[int, Any], None]) -> None:
+                           on_output: Callable[[int, RequestOutput], None]) -> None:
     """Run a non-streamed request to the end, aborting it if its client disconnects first."""
     work = asyncio.ensure_future(_collect(streams, on_output))
     gone = asyncio.ensure_future(_wait_for_disconnect(raw))
