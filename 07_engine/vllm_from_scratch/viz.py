@@ -184,6 +184,9 @@ def trace_scenario(path: str | Path, arrivals: list[Arrival], model_dir: str | N
     from vllm_from_scratch.sampling_params import SamplingParams
 
     engine = LLMEngine(model_dir or default_model_dir(), step_trace=str(path), **engine_kwargs)
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"{engine.config.model_dir} has no tokenizer; a scenario's arrivals are chat messages")
     pending = sorted(enumerate(arrivals), key=lambda a: a[1].step)
     texts: dict[str, str] = {}
     step = 0
@@ -193,7 +196,7 @@ def trace_scenario(path: str | Path, arrivals: list[Arrival], model_dir: str | N
                 i, a = pending.pop(0)
                 messages = ([{"role": "system", "content": a.system}] if a.system else []) + \
                     [{"role": "user", "content": a.text}]
-                prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                prompt = str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
                 engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=a.max_tokens),
                                    request_id=f"req-{i}", priority=a.priority)
             texts.update((o.request_id, o.text) for o in engine.step() if o.finished)
