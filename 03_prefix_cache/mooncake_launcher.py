@@ -64,7 +64,7 @@ def _wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float)
 
 
 class _Service:
-    def __init__(self):
+    def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
 
     def _spawn(self, argv: list[str]) -> subprocess.Popen:

@@ -231,7 +231,7 @@ class SchedulerOutput:
 class FCFSQueue:
     """The waiting queue of ``policy="fcfs"``: arrival order; preempted requests jump the line."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._q: deque[Request] = deque()
 
     def add(self, req: Request) -> None:
@@ -263,7 +263,7 @@ class PriorityQueue:
     priority that arrived after it. Requests equal on both keys leave in the order they came in.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._heap: list[tuple[int, float, int, Request]] = []
         self._insertions = itertools.count()  # the heap's tie-break: Requests do not compare
 

@@ -114,6 +114,7 @@ class EngineRequest(Request):
                          eos_token_id=eos_token_ids, ignore_eos=params.ignore_eos,
                          stop_token_ids=params.stop_token_ids or (), block_size=block_size)
         self.sampling_params = params
+        self.stop_strings = list(params.stop or ())  # a list once SamplingParams is validated
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_token_ids)
         self.text = ""  # the decoded output, cut at a stop string
@@ -347,7 +348,7 @@ class LLMEngine:
         self.generation_tokens_total += len(new_ids)
         req.detokenizer.update(req.token_ids)
         req.text = req.detokenizer.text
-        stop_strings = req.sampling_params.stop
+        stop_strings = req.stop_strings
         hit_stop_string = bool(stop_strings) and self._cut_at_stop_string(req)
         if hit_stop_string and not req.is_finished:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
@@ -359,7 +360,7 @@ class LLMEngine:
 
     @staticmethod
     def _cut_at_stop_string(req: EngineRequest) -> bool:
-        for s in req.sampling_params.stop:
+        for s in req.stop_strings:
             idx = req.text.find(s)
             if idx != -1:
                 req.text = req.text[:idx]
