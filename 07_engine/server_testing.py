@@ -41,7 +41,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.log = tempfile.TemporaryFile(mode="w+")
 
-    def start(self) -> "ServerProcess":
+    def start(self) -> ServerProcess:
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=self.env)
         deadline = time.monotonic() + self.startup_timeout_s
@@ -71,7 +71,7 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(5)
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -14,8 +14,8 @@ from transformers.models.llama import modeling_llama as hf_llama
 from chunked_prefill import SchedulerInfo, build_batch_inputs
 from sequence import Sequence
 from vllm_from_scratch.config import EngineConfig
-from vllm_from_scratch.layers.layernorm import RMSNorm
 from vllm_from_scratch.layers import prepacked
+from vllm_from_scratch.layers.layernorm import RMSNorm
 from vllm_from_scratch.layers.linear import LinearBase, ReplicatedLinear
 from vllm_from_scratch.layers.prepacked import FLOAT32_MIN_ROWS, can_pack, linear, pack_weight
 from vllm_from_scratch.layers.rotary_embedding import get_rope

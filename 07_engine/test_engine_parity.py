@@ -27,12 +27,12 @@ def make_prompts(seed: int, lengths=(5, 8, 17, 33, 40)) -> list[list[int]]:
     return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_model(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_greedy(model_dir: str, prompt: tuple[int, ...], max_tokens: int = MAX_TOKENS) -> list[int]:
     """transformers' greedy continuation of one prompt (stops at EOS like the engine)."""
     out = _hf_model(model_dir).generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,

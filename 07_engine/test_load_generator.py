@@ -12,12 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from test_server_protocol import KEY, ScriptedEngine
 from transformers import AutoTokenizer
 
 import load_generator as lg
-from vllm_from_scratch.default_model import default_model_dir
+from test_server_protocol import KEY, ScriptedEngine
 from vllm_from_scratch.api_server import build_app
+from vllm_from_scratch.default_model import default_model_dir
 
 
 def test_summary_follows_vllm_bench_definitions():

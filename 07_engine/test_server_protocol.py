@@ -20,9 +20,9 @@ from starlette.websockets import WebSocketDisconnect
 from transformers import AutoTokenizer
 
 from vllm_from_scratch import serve
+from vllm_from_scratch.api_server import build_app, default_max_request_bytes
 from vllm_from_scratch.async_llm import AsyncLLM
 from vllm_from_scratch.default_model import default_model_dir
-from vllm_from_scratch.api_server import build_app, default_max_request_bytes
 from vllm_from_scratch.engine import RequestOutput, encode_prompt, resolve_max_tokens
 from vllm_from_scratch.sampling_params import check_int
 from vllm_from_scratch.streaming import stream_events

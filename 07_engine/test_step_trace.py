@@ -18,7 +18,8 @@ import pytest
 from viz_testing import TEACHING_ARRIVALS, teaching_trace
 from vllm_from_scratch import LLM, LLMEngine, SamplingParams
 from vllm_from_scratch.step_trace import SCHEMA, TraceError, check_trace, read_trace, work_kind
-from vllm_from_scratch.viz import chrome_trace, main as viz_main
+from vllm_from_scratch.viz import chrome_trace
+from vllm_from_scratch.viz import main as viz_main
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

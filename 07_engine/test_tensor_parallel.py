@@ -24,12 +24,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from vllm_from_scratch.distributed import (LocalExecutor, TensorParallelExecutor, gather_to_first_rank,
-                                           make_executor)
+from vllm_from_scratch.distributed import LocalExecutor, TensorParallelExecutor, gather_to_first_rank, make_executor
 from vllm_from_scratch.layers.activation import SiluAndMul
 from vllm_from_scratch.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from vllm_from_scratch.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
-                                             QKVParallelLinear, RowParallelLinear)
+from vllm_from_scratch.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 
 TP = 2
 ATOL = 1e-5

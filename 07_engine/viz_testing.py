@@ -29,7 +29,7 @@ TEACHING_ENGINE = dict(num_kvcache_blocks=16, max_num_batched_tokens=256, max_mo
 BROWSER_PATHS = ("/usr/bin/chromium-headless-shell", "/usr/bin/chromium")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def teaching_trace() -> tuple[Path, dict[str, str]]:
     """The session's trace file and each request's final text (made on first use)."""
     path = Path(tempfile.mkdtemp(prefix="vfs-trace-")) / "teaching.jsonl"

@@ -22,8 +22,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm_from_scratch.engine import LLMEngine, RequestOutput
@@ -68,7 +69,7 @@ _SHUTDOWN = object()
 class RequestStream:
     """The outputs of one request, as an async iterator; ``abort()`` cancels it in the engine."""
 
-    def __init__(self, owner: "AsyncLLM", request_id: str, stream: _Stream):
+    def __init__(self, owner: AsyncLLM, request_id: str, stream: _Stream):
         self.owner = owner
         self.request_id = request_id
         self._stream = stream

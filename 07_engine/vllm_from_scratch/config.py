@@ -37,7 +37,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
 
     @classmethod
-    def from_dict(cls, config: dict) -> "SpeculativeConfig":
+    def from_dict(cls, config: dict) -> SpeculativeConfig:
         """Parse a user's dict; :class:`ParameterError` naming the key that is wrong."""
         if not isinstance(config, dict):
             raise ParameterError("speculative_config", f"must be a dict or None, got {config!r}")
@@ -81,7 +81,7 @@ class KVTransferConfig:
     global_segment_size: int = 256 << 20
 
     @classmethod
-    def from_dict(cls, config: dict) -> "KVTransferConfig":
+    def from_dict(cls, config: dict) -> KVTransferConfig:
         """Parse a user's dict; :class:`ParameterError` naming the key that is wrong."""
         if not isinstance(config, dict):
             raise ParameterError("kv_transfer_config", f"must be a dict or None, got {config!r}")

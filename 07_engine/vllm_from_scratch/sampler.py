@@ -53,7 +53,7 @@ class SamplingTensors:
 
     @classmethod
     def from_requests(cls, requests: Sequence, num_rows: Sequence[int], vocab_size: int,
-                      device: torch.device | str) -> "SamplingTensors":
+                      device: torch.device | str) -> SamplingTensors:
         """``requests[i]`` (with ``sampling_params`` and ``generator``) owns ``num_rows[i]`` rows."""
         sampling = [(r, n) for r, n in zip(requests, num_rows) if n]
         params = [r.sampling_params for r, n in sampling for _ in range(n)]

@@ -28,6 +28,7 @@ from sequence import Sequence as PagedSequence
 from vllm_from_scratch.config import EngineConfig, SpeculativeConfig
 from vllm_from_scratch.model_runner import ModelRunner
 
+
 class PagedDraftModel:
     """A draft model on its own paged KV cache, answering many contexts with one forward.
 
