@@ -42,10 +42,21 @@ def save_tiny_checkpoint(path, arch: str = "llama", seed: int = 0, **overrides) 
         Qwen3ForCausalLM,
     )
 
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     common.update(overrides)
     torch.manual_seed(seed)
     if arch == "llama":

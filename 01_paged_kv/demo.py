@@ -57,8 +57,9 @@ def build_rows(lengths: list[int], max_model_len: int, block_sizes: list[int], b
     mean_len = used / len(lengths)
     per_token = bytes_per_block(NUM_LAYERS, 1, NUM_KV_HEADS, HEAD_DIM, DTYPE)
     budget_tokens = num_blocks_for_budget(int(budget_gib * 2**30), NUM_LAYERS, 1, NUM_KV_HEADS, HEAD_DIM, DTYPE)
-    rows = [dict(scheme=f"contiguous ({max_model_len})", reserved=len(lengths) * max_model_len,
-                 per_request=max_model_len)]
+    rows = [
+        dict(scheme=f"contiguous ({max_model_len})", reserved=len(lengths) * max_model_len, per_request=max_model_len)
+    ]
     for bs in block_sizes:
         reserved = paged_reserved_slots(lengths, bs)
         rows.append(dict(scheme=f"paged, block {bs}", reserved=reserved, per_request=reserved / len(lengths)))
@@ -67,8 +68,17 @@ def build_rows(lengths: list[int], max_model_len: int, block_sizes: list[int], b
         row["gib"] = row["reserved"] * per_token / 2**30
         # Requests of this mix that fit in the budget at once (average reservation per request).
         row["fit"] = int(budget_tokens // row["per_request"])
-    rows.insert(0, dict(scheme="tokens actually used", reserved=used, per_request=mean_len, waste_pct=0.0,
-                        gib=used * per_token / 2**30, fit=int(budget_tokens // mean_len)))
+    rows.insert(
+        0,
+        dict(
+            scheme="tokens actually used",
+            reserved=used,
+            per_request=mean_len,
+            waste_pct=0.0,
+            gib=used * per_token / 2**30,
+            fit=int(budget_tokens // mean_len),
+        ),
+    )
     return rows
 
 
@@ -106,24 +116,38 @@ def trace(path: str) -> None:
     after the first has crossed into its third block."""
     from vllm_from_scratch.viz import Arrival, demo_trace
 
-    demo_trace(path, [Arrival("Hi!", 24), Arrival("Explain paging in one sentence.", 24),
-                      Arrival("What is a KV cache?", 24, step=1)],
-               num_kvcache_blocks=24, max_model_len=256, enable_prefix_caching=False)
+    demo_trace(
+        path,
+        [
+            Arrival("Hi!", 24),
+            Arrival("Explain paging in one sentence.", 24),
+            Arrival("What is a KV cache?", 24, step=1),
+        ],
+        num_kvcache_blocks=24,
+        max_model_len=256,
+        enable_prefix_caching=False,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=1000, help="requests in the mix")
-    parser.add_argument("--max-model-len", type=int, default=4096,
-                        help="longest request; what a contiguous scheme reserves for each")
+    parser.add_argument(
+        "--max-model-len", type=int, default=4096, help="longest request; what a contiguous scheme reserves for each"
+    )
     parser.add_argument("--median-len", type=float, default=400.0, help="median of the lognormal lengths")
     parser.add_argument("--sigma", type=float, default=1.0, help="sigma of the lognormal (its tail)")
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32, 256],
-                        help="one paged row per block size")
+    parser.add_argument(
+        "--block-sizes", type=int, nargs="+", default=[8, 16, 32, 256], help="one paged row per block size"
+    )
     parser.add_argument("--budget-gib", type=float, default=2.0, help="KV budget for the 'fit' column")
     parser.add_argument("--seed", type=int, default=0, help="seed of the length sampler")
     parser.add_argument("--plot", metavar="PNG", help="save a matplotlib figure here")
-    parser.add_argument("--trace", metavar="PATH", help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)")
+    parser.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)",
+    )
     args = parser.parse_args()
     if args.trace:
         trace(args.trace)
@@ -134,17 +158,23 @@ def main() -> None:
         parser.error("--max-model-len and --block-sizes must be positive")
 
     lengths = sample_lengths(args.num_requests, args.max_model_len, args.median_len, args.sigma, args.seed)
-    print(f"{len(lengths)} requests, lengths lognormal(median {args.median_len:g}, sigma {args.sigma:g}) "
-          f"capped at {args.max_model_len}: mean {sum(lengths) / len(lengths):.0f}, "
-          f"max {max(lengths)}, seed {args.seed}")
+    print(
+        f"{len(lengths)} requests, lengths lognormal(median {args.median_len:g}, sigma {args.sigma:g}) "
+        f"capped at {args.max_model_len}: mean {sum(lengths) / len(lengths):.0f}, "
+        f"max {max(lengths)}, seed {args.seed}"
+    )
     per_token = bytes_per_block(NUM_LAYERS, 1, NUM_KV_HEADS, HEAD_DIM, DTYPE)
-    print(f"KV bytes per token (SmolLM2-135M, {NUM_LAYERS} layers x {NUM_KV_HEADS} KV heads x {HEAD_DIM}, "
-          f"bf16): {per_token:,}\n")
+    print(
+        f"KV bytes per token (SmolLM2-135M, {NUM_LAYERS} layers x {NUM_KV_HEADS} KV heads x {HEAD_DIM}, "
+        f"bf16): {per_token:,}\n"
+    )
     rows = build_rows(lengths, args.max_model_len, args.block_sizes, args.budget_gib)
     print_table(rows, args.budget_gib)
     paged_waste = max(r["reserved"] - rows[0]["reserved"] for r in rows[2:])
-    print(f"\npaged waste is at most (block_size - 1) slots per request: "
-          f"{paged_waste:,} <= {(max(args.block_sizes) - 1) * len(lengths):,}")
+    print(
+        f"\npaged waste is at most (block_size - 1) slots per request: "
+        f"{paged_waste:,} <= {(max(args.block_sizes) - 1) * len(lengths):,}"
+    )
     if args.plot:
         plot(rows, lengths, args.max_model_len, args.plot)
 

@@ -27,8 +27,9 @@ def _check_positive(**kwargs: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype = torch.float16) -> int:
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float16
+) -> int:
     """Bytes one block costs across all layers: 2 (K and V) × layers × block_size × heads × head_dim × itemsize."""
     _check_positive(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
     if not isinstance(dtype, torch.dtype):
@@ -37,8 +38,14 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
     return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
 
-def num_blocks_for_budget(budget_bytes: int, num_layers: int, block_size: int, num_kv_heads: int,
-                          head_dim: int, dtype: torch.dtype = torch.float16) -> int:
+def num_blocks_for_budget(
+    budget_bytes: int,
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float16,
+) -> int:
     """How many whole blocks fit in ``budget_bytes`` (what nano-vllm's ``allocate_kv_cache`` computes
     from ``free memory × gpu_memory_utilization − model − activations``)."""
     if not isinstance(budget_bytes, int) or budget_bytes < 0:
@@ -46,24 +53,35 @@ def num_blocks_for_budget(budget_bytes: int, num_layers: int, block_size: int, n
     return budget_bytes // bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
 
 
-def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                      head_dim: int, dtype: torch.dtype = torch.float16,
-                      device: str | torch.device = "cpu") -> torch.Tensor:
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float16,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
     """Allocate the zeroed ``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` cache.
 
     Zeroed rather than ``empty`` so that a slot read before it is written is a visible zero in a
     test, not yesterday's memory.
     """
-    _check_positive(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
-                    num_kv_heads=num_kv_heads, head_dim=head_dim)
+    _check_positive(
+        num_layers=num_layers,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
-    return torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                       dtype=dtype, device=device)
+    return torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
 
 
-def build_slot_mapping(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int,
-                       seq_ids: torch.Tensor | None = None) -> torch.Tensor:
+def build_slot_mapping(
+    block_tables: torch.Tensor, positions: torch.Tensor, block_size: int, seq_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Slots of token ``positions`` given each sequence's block table, without a Python loop.
 
     Args:

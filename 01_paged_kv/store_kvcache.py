@@ -21,20 +21,25 @@ import torch
 from triton_setup import HAS_TRITON, tl, triton  # before any other triton import
 
 
-def _check_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                slot_mapping: torch.Tensor) -> None:
+def _check_args(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     if key.dim() != 3:
         raise ValueError(f"key must be [num_tokens, num_kv_heads, head_dim], got shape {tuple(key.shape)}")
     if value.shape != key.shape:
         raise ValueError(f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
     if k_cache.dim() != 4 or k_cache.shape[2:] != key.shape[1:]:
-        raise ValueError(f"k_cache must be [num_blocks, block_size, {key.shape[1]}, {key.shape[2]}], "
-                         f"got shape {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"k_cache must be [num_blocks, block_size, {key.shape[1]}, {key.shape[2]}], "
+            f"got shape {tuple(k_cache.shape)}"
+        )
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
     if not (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"key, value, k_cache and v_cache must share a dtype, got {key.dtype}, "
-                         f"{value.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise ValueError(
+            f"key, value, k_cache and v_cache must share a dtype, got {key.dtype}, "
+            f"{value.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
     if slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must be [{key.shape[0]}], got shape {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
@@ -43,8 +48,9 @@ def _check_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v
         raise ValueError("k_cache and v_cache must be contiguous (views of the KV cache tensor are)")
 
 
-def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kvcache_torch(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Scatter ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` into the slots ``slot_mapping``.
 
     ``k_cache``/``v_cache`` are one layer's ``[num_blocks, block_size, kv_heads, head_dim]``
@@ -65,8 +71,17 @@ def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.T
 if HAS_TRITON:
 
     @triton.jit
-    def _store_kvcache_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr,
-                              slot_mapping_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _store_kvcache_kernel(
+        key_ptr,
+        key_stride,
+        value_ptr,
+        value_stride,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_mapping_ptr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         # One program per token: copy its D = kv_heads * head_dim values into its slot's row.
         idx = tl.program_id(0)
         slot = tl.load(slot_mapping_ptr + idx).to(tl.int64)
@@ -81,8 +96,9 @@ if HAS_TRITON:
         tl.store(v_cache_ptr + cache_offs, value, mask=mask)
 
 
-def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kvcache_triton(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Same contract as :func:`store_kvcache_torch`, as a Triton kernel (one program per token).
 
     ``key``/``value`` may be strided views (e.g. slices of a fused QKV output) as long as each
@@ -100,12 +116,21 @@ def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
         return
     D = num_heads * head_dim
     _store_kvcache_kernel[(num_tokens,)](
-        key, key.stride(0), value, value.stride(0), k_cache, v_cache, slot_mapping.contiguous(),
-        D=D, BLOCK_D=triton.next_power_of_2(D))
+        key,
+        key.stride(0),
+        value,
+        value.stride(0),
+        k_cache,
+        v_cache,
+        slot_mapping.contiguous(),
+        D=D,
+        BLOCK_D=triton.next_power_of_2(D),
+    )
 
 
-def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kvcache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """What the engine calls: the Triton kernel for CUDA tensors, the torch scatter otherwise."""
     if key.is_cuda and HAS_TRITON:
         store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping)

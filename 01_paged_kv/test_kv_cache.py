@@ -27,8 +27,9 @@ def test_allocate_kv_cache_shape_and_layer_views():
     assert cache.numel() * cache.element_size() == 5 * bytes_per_block(3, 4, 2, 8, torch.bfloat16)
 
 
-@pytest.mark.parametrize("bad", [dict(num_layers=0), dict(num_blocks=-1), dict(block_size=0),
-                                 dict(num_kv_heads=2.0), dict(head_dim=True)])
+@pytest.mark.parametrize(
+    "bad", [dict(num_layers=0), dict(num_blocks=-1), dict(block_size=0), dict(num_kv_heads=2.0), dict(head_dim=True)]
+)
 def test_allocate_rejects_bad_sizes(bad):
     args = dict(num_layers=1, num_blocks=2, block_size=4, num_kv_heads=1, head_dim=8)
     args.update(bad)
@@ -53,8 +54,10 @@ def test_build_slot_mapping_decode_and_prefill():
     positions = torch.tensor([0, 3, 4, -1, 8, 11])
     seq_ids = torch.tensor([0, 0, 0, 0, 1, 1])
     slots = build_slot_mapping(block_tables, positions, bs, seq_ids)
-    expected = [block_tables[s, p // bs].item() * bs + p % bs if p >= 0 else -1
-                for s, p in zip(seq_ids.tolist(), positions.tolist())]
+    expected = [
+        block_tables[s, p // bs].item() * bs + p % bs if p >= 0 else -1
+        for s, p in zip(seq_ids.tolist(), positions.tolist())
+    ]
     assert slots.tolist() == expected and slots.dtype == torch.int64
 
 
@@ -64,5 +67,4 @@ def test_build_slot_mapping_rejects_positions_past_the_table():
     with pytest.raises(ValueError, match="block_size"):
         build_slot_mapping(torch.zeros(1, 2, dtype=torch.int32), torch.tensor([1]), 0)
     with pytest.raises(ValueError, match="seq_ids"):
-        build_slot_mapping(torch.zeros(2, 2, dtype=torch.int32), torch.tensor([1, 2, 3]), 4,
-                           torch.tensor([0, 1]))
+        build_slot_mapping(torch.zeros(2, 2, dtype=torch.int32), torch.tensor([1, 2, 3]), 4, torch.tensor([0, 1]))

@@ -63,8 +63,8 @@ def test_triton_equals_torch(dtype, heads, head_dim):
 def test_triton_accepts_strided_key_from_fused_qkv():
     heads, head_dim, n = 2, 8, 5
     qkv = torch.randn(n, 3 * heads * head_dim)
-    key = qkv[:, heads * head_dim: 2 * heads * head_dim].view(n, heads, head_dim)
-    value = qkv[:, 2 * heads * head_dim:].view(n, heads, head_dim)
+    key = qkv[:, heads * head_dim : 2 * heads * head_dim].view(n, heads, head_dim)
+    value = qkv[:, 2 * heads * head_dim :].view(n, heads, head_dim)
     assert not key.is_contiguous()
     cache = allocate_kv_cache(1, 4, 4, heads, head_dim, torch.float32)
     ref = cache.clone()

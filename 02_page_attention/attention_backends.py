@@ -39,15 +39,20 @@ def select_backend(q: torch.Tensor, k_cache: torch.Tensor, backend: str = "auto"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton" and not (HAS_TRITON and (q.is_cuda or INTERPRETED)):
-        raise ValueError("backend 'triton' needs triton and CUDA tensors (on a CPU, TRITON_INTERPRET=1 "
-                         "set before the kernels were imported)")
+        raise ValueError(
+            "backend 'triton' needs triton and CUDA tensors (on a CPU, TRITON_INTERPRET=1 "
+            "set before the kernels were imported)"
+        )
     if backend == "cpp" and not (supports(q) and cpu_kernel_available()):
         raise ValueError("backend 'cpp' needs CPU float tensors of a compiled head size and a C++ compiler")
     if backend != "auto":
         return backend
     if q.is_cuda:
-        flash_ok = (HAS_FLASH_ATTN and q.dtype in (torch.float16, torch.bfloat16)
-                    and k_cache.shape[1] % FLASH_BLOCK_MULTIPLE == 0)
+        flash_ok = (
+            HAS_FLASH_ATTN
+            and q.dtype in (torch.float16, torch.bfloat16)
+            and k_cache.shape[1] % FLASH_BLOCK_MULTIPLE == 0
+        )
         if flash_ok:
             return "flash"
         if HAS_TRITON:
@@ -56,9 +61,18 @@ def select_backend(q: torch.Tensor, k_cache: torch.Tensor, backend: str = "auto"
     return "cpp" if supports(q) and cpu_kernel_available() else "torch"
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                    seq_lens_k: torch.Tensor, block_tables: torch.Tensor, scale: float, max_seqlen_q: int,
-                    backend: str = "auto", max_seqlen_k: int | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+    backend: str = "auto",
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
     """Causal attention of packed new tokens over their paged context, by the chosen backend.
 
     Args:
@@ -89,10 +103,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if name == "flash":
         if max_seqlen_k is None:
             max_seqlen_k = int(seq_lens_k.max())
-        return flash_varlen(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, max_seqlen_q,
-                            max_seqlen_k)
+        return flash_varlen(
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, max_seqlen_q, max_seqlen_k
+        )
     if name == "triton":
-        return paged_attention_varlen_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
-                                             max_seqlen_q=max_seqlen_q)
-    return paged_attention_varlen(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
-                                  decode=paged_attention_decode_cpu if name == "cpp" else None)
+        return paged_attention_varlen_triton(
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, max_seqlen_q=max_seqlen_q
+        )
+    return paged_attention_varlen(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens_k,
+        block_tables,
+        scale,
+        decode=paged_attention_decode_cpu if name == "cpp" else None,
+    )

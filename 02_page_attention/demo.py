@@ -69,35 +69,47 @@ def show_correctness(args, g):
     hq, hkv, d, bs = 8, 2, 32, args.block_size
     kv_lens = [5, 16, 17, 38]
     k_cache, v_cache, bt, ks, vs = build_paged_cache(kv_lens, hkv, d, bs, g)
-    print(f"Paged cache: {k_cache.shape[0]} physical blocks of {bs} slots, {hq} q heads over {hkv} kv heads "
-          f"(GQA {hq // hkv}:1), head_dim {d}")
+    print(
+        f"Paged cache: {k_cache.shape[0]} physical blocks of {bs} slots, {hq} q heads over {hkv} kv heads "
+        f"(GQA {hq // hkv}:1), head_dim {d}"
+    )
     for b, n in enumerate(kv_lens):
         table = [x for x in bt[b].tolist() if x >= 0]
         print(f"  seq {b}: {n:>2} tokens -> block table {table}")
-    scale = d ** -0.5
+    scale = d**-0.5
     lens = torch.tensor(kv_lens, dtype=torch.int32)
 
     q = torch.randn(len(kv_lens), hq, d, generator=g)
-    dense = torch.cat([dense_attention_reference(q[b:b + 1], ks[b], vs[b], scale=scale) for b in range(len(kv_lens))])
-    decode = {"torch": paged_attention_decode(q, k_cache, v_cache, bt, lens, scale),
-              "triton": paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, scale)}
+    dense = torch.cat([dense_attention_reference(q[b : b + 1], ks[b], vs[b], scale=scale) for b in range(len(kv_lens))])
+    decode = {
+        "torch": paged_attention_decode(q, k_cache, v_cache, bt, lens, scale),
+        "triton": paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, scale),
+    }
 
     q_lens = [5, 3, 17, 6]  # seq 0 is a fresh prompt; the others have cached context before these
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     qv = torch.randn(sum(q_lens), hq, d, generator=g)
-    dense_v = torch.cat([dense_attention_reference(qv[cu[b]:cu[b + 1]], ks[b], vs[b], scale=scale)
-                         for b in range(len(kv_lens))])
-    varlen = {"torch": paged_attention_varlen(qv, k_cache, v_cache, cu, lens, bt, scale),
-              "triton": paged_attention_varlen_triton(qv, k_cache, v_cache, cu, lens, bt, scale)}
+    dense_v = torch.cat(
+        [dense_attention_reference(qv[cu[b] : cu[b + 1]], ks[b], vs[b], scale=scale) for b in range(len(kv_lens))]
+    )
+    varlen = {
+        "torch": paged_attention_varlen(qv, k_cache, v_cache, cu, lens, bt, scale),
+        "triton": paged_attention_varlen_triton(qv, k_cache, v_cache, cu, lens, bt, scale),
+    }
     if cpu_kernel_available():
         decode["C++"] = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, scale)
 
     triton_mode = "interpreter" if INTERPRETED else "GPU"
     print(f"\nMax |paged - dense| (float32; Triton runs in its {triton_mode}; C++ is the compiled decode kernel):")
     print(f"  {'path':<34}" + "".join(f" {name:>10}" for name in decode))
-    print(f"  {'decode (1 new token, 4 seqs)':<34}" + "".join(f" {(o - dense).abs().max():>10.2e}" for o in decode.values()))
-    print(f"  {'prefill, new tokens ' + str(q_lens):<34}"
-          + "".join(f" {(o - dense_v).abs().max():>10.2e}" for o in varlen.values()))
+    print(
+        f"  {'decode (1 new token, 4 seqs)':<34}"
+        + "".join(f" {(o - dense).abs().max():>10.2e}" for o in decode.values())
+    )
+    print(
+        f"  {'prefill, new tokens ' + str(q_lens):<34}"
+        + "".join(f" {(o - dense_v).abs().max():>10.2e}" for o in varlen.values())
+    )
     print("  (the garbage in unused slots has magnitude ~100: reading one slot of it would show as an error >> 1)")
     print(f"  paged_attention(backend='auto') on these CPU tensors runs: {select_backend(q, k_cache)}")
 
@@ -107,7 +119,7 @@ def naive_decode_loop(q, k_cache, v_cache, block_tables, context_lens, scale):
     out = torch.empty_like(q)
     bs = k_cache.shape[1]
     for b, n in enumerate(context_lens.tolist()):
-        table = block_tables[b, :cdiv(n, bs)].long()
+        table = block_tables[b, : cdiv(n, bs)].long()
         k = k_cache[table].flatten(0, 1)[:n].transpose(0, 1)  # [Hkv, n, D]
         v = v_cache[table].flatten(0, 1)[:n].transpose(0, 1)
         out[b] = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=scale, enable_gqa=True)[:, 0]
@@ -126,26 +138,33 @@ def time_it(fn, repeats):
 
 def show_timing(args, g):
     hq, hkv, d, bs = 9, 3, 64, 16  # SmolLM2-135M's attention shape, the engine's default block size
-    print(f"\nDecode timing, torch, float32, torch threads {torch.get_num_threads()}, {hq} q / {hkv} kv heads, head_dim {d}, "
-          f"block_size {bs}, contexts uniform in [{args.context_len // 2}, {args.context_len}] "
-          f"(median of {args.repeats}):")
+    print(
+        f"\nDecode timing, torch, float32, torch threads {torch.get_num_threads()}, {hq} q / {hkv} kv heads, head_dim {d}, "
+        f"block_size {bs}, contexts uniform in [{args.context_len // 2}, {args.context_len}] "
+        f"(median of {args.repeats}):"
+    )
     cpp = cpu_kernel_available()
-    print(f"  {'batch':>5} {'batched (ms)':>13} {'per-seq loop (ms)':>18} {'speed-up':>9}"
-          + (f" {'C++ kernel (ms)':>16} {'speed-up':>9}" if cpp else "") + f" {'max |diff|':>11}")
+    print(
+        f"  {'batch':>5} {'batched (ms)':>13} {'per-seq loop (ms)':>18} {'speed-up':>9}"
+        + (f" {'C++ kernel (ms)':>16} {'speed-up':>9}" if cpp else "")
+        + f" {'max |diff|':>11}"
+    )
     for batch in args.batch_sizes:
         kv_lens = torch.randint(args.context_len // 2, args.context_len + 1, (batch,), generator=g).tolist()
         k_cache, v_cache, bt, _, _ = build_paged_cache(kv_lens, hkv, d, bs, g)
         q = torch.randn(batch, hq, d, generator=g)
         lens = torch.tensor(kv_lens, dtype=torch.int32)
-        inputs = (q, k_cache, v_cache, bt, lens, d ** -0.5)
+        inputs = (q, k_cache, v_cache, bt, lens, d**-0.5)
         batched = time_it(functools.partial(paged_attention_decode, *inputs), args.repeats)
         loop = time_it(functools.partial(naive_decode_loop, *inputs), args.repeats)
-        reference = naive_decode_loop(q, k_cache, v_cache, bt, lens, d ** -0.5)
-        diff = (paged_attention_decode(q, k_cache, v_cache, bt, lens, d ** -0.5) - reference).abs().max()
+        reference = naive_decode_loop(q, k_cache, v_cache, bt, lens, d**-0.5)
+        diff = (paged_attention_decode(q, k_cache, v_cache, bt, lens, d**-0.5) - reference).abs().max()
         row = f"  {batch:>5} {batched * 1e3:>13.3f} {loop * 1e3:>18.3f} {loop / batched:>8.1f}x"
         if cpp:
             kernel = time_it(functools.partial(paged_attention_decode_cpu, *inputs), args.repeats)
-            diff = max(diff, (paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, d ** -0.5) - reference).abs().max())
+            diff = max(
+                diff, (paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, d**-0.5) - reference).abs().max()
+            )
             row += f" {kernel * 1e3:>16.3f} {batched / kernel:>8.1f}x"
         print(row + f" {diff:>11.1e}")
 
@@ -154,10 +173,12 @@ def show_varlen_timing(args, g):
     """The varlen path on the batches chapter 06 builds: whole prompts, chunks after cached
     context, and chunks with decode rows riding along."""
     hq, hkv, d, bs = 9, 3, 64, 16
-    cases = [("fresh prompt", [(256, 256)]),
-             ("chunk after context", [(128, 512)]),
-             ("chunk + 32 decodes", [(128, 512)] + [(1, args.context_len)] * 32),
-             ("4 prompts", [(64, 64), (96, 96), (128, 128), (32, 32)])]
+    cases = [
+        ("fresh prompt", [(256, 256)]),
+        ("chunk after context", [(128, 512)]),
+        ("chunk + 32 decodes", [(128, 512)] + [(1, args.context_len)] * 32),
+        ("4 prompts", [(64, 64), (96, 96), (128, 128), (32, 32)]),
+    ]
     print(f"\nVarlen timing, torch, float32, same shape (median of {args.repeats}); (new, total) tokens per sequence:")
     print(f"  {'batch':<22} {'sequences':>9} {'new tokens':>10} {'keys read':>10} {'time (ms)':>10} {'max |err|':>10}")
     for name, shapes in cases:
@@ -166,24 +187,29 @@ def show_varlen_timing(args, g):
         q = torch.randn(sum(q_lens), hq, d, generator=g)
         cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
         lens = torch.tensor(kv_lens, dtype=torch.int32)
-        run = functools.partial(paged_attention_varlen, q, k_cache, v_cache, cu, lens, bt, d ** -0.5)
+        run = functools.partial(paged_attention_varlen, q, k_cache, v_cache, cu, lens, bt, d**-0.5)
         elapsed = time_it(run, args.repeats)
-        err = max((run()[cu[b]:cu[b + 1]] - dense_attention_reference(q[cu[b]:cu[b + 1]], ks[b], vs[b],
-                                                                        scale=d ** -0.5)).abs().max().item()
-                  for b in range(len(shapes)))
-        print(f"  {name:<22} {len(shapes):>9} {sum(q_lens):>10} {sum(kv_lens):>10} {elapsed * 1e3:>10.3f} "
-              f"{err:>10.1e}")
+        err = max(
+            (run()[cu[b] : cu[b + 1]] - dense_attention_reference(q[cu[b] : cu[b + 1]], ks[b], vs[b], scale=d**-0.5))
+            .abs()
+            .max()
+            .item()
+            for b in range(len(shapes))
+        )
+        print(f"  {name:<22} {len(shapes):>9} {sum(q_lens):>10} {sum(kv_lens):>10} {elapsed * 1e3:>10.3f} {err:>10.1e}")
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--block-size", type=int, default=8, help="slots per block in the correctness part")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64], help="timing table rows")
     parser.add_argument("--context-len", type=int, default=256, help="longest context in the timing table")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per row (median reported)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (1 keeps timings steady on a shared 2-core machine)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1 keeps timings steady on a shared 2-core machine)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     for name in ("block_size", "context_len", "repeats", "threads"):

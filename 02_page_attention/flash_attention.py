@@ -38,21 +38,35 @@ FLASH_BLOCK_MULTIPLE = 256
 
 def _check_flash_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if not HAS_FLASH_ATTN:
-        raise RuntimeError("flash-attn is not installed (pip install flash-attn on a CUDA machine); "
-                           "use paged_attention or paged_attention_triton")
+        raise RuntimeError(
+            "flash-attn is not installed (pip install flash-attn on a CUDA machine); "
+            "use paged_attention or paged_attention_triton"
+        )
     if not (q.is_cuda and k_cache.is_cuda and v_cache.is_cuda):
         raise ValueError("q, k_cache and v_cache must be CUDA tensors for flash-attn")
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q, k_cache and v_cache must all be float16 or all bfloat16 for flash-attn, "
-                         f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise ValueError(
+            f"q, k_cache and v_cache must all be float16 or all bfloat16 for flash-attn, "
+            f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
     if k_cache.dim() != 4 or k_cache.shape[1] % FLASH_BLOCK_MULTIPLE:
-        raise ValueError(f"k_cache must be [num_blocks, block_size, kv_heads, head_dim] with block_size a "
-                         f"multiple of {FLASH_BLOCK_MULTIPLE} for flash-attn's paged KV, got shape {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"k_cache must be [num_blocks, block_size, kv_heads, head_dim] with block_size a "
+            f"multiple of {FLASH_BLOCK_MULTIPLE} for flash-attn's paged KV, got shape {tuple(k_cache.shape)}"
+        )
 
 
-def flash_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                 seq_lens_k: torch.Tensor, block_tables: torch.Tensor, scale: float, max_seqlen_q: int,
-                 max_seqlen_k: int) -> torch.Tensor:
+def flash_varlen(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> torch.Tensor:
     """Causal varlen attention over the paged cache with ``flash_attn_varlen_func``.
 
     Same meaning as :func:`paged_attention.paged_attention_varlen` (``q``: ``[T, Hq, D]``,
@@ -61,16 +75,38 @@ def flash_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """
     _check_flash_args(q, k_cache, v_cache)
     cu_seqlens_k = F.pad(seq_lens_k.cumsum(0, dtype=torch.int32), (1, 0))
-    return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q.int(), cu_seqlens_k=cu_seqlens_k,
-                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=scale,
-                                  causal=True, block_table=block_tables.int())
+    return flash_attn_varlen_func(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q=cu_seqlens_q.int(),
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        softmax_scale=scale,
+        causal=True,
+        block_table=block_tables.int(),
+    )
 
 
-def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def flash_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One query per sequence with ``flash_attn_with_kvcache``; the arguments of
     :func:`paged_attention.paged_attention_decode` (``q``: ``[B, Hq, D]``), result ``[B, Hq, D]``."""
     _check_flash_args(q, k_cache, v_cache)
-    out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens.int(),
-                                  block_table=block_tables.int(), softmax_scale=scale, causal=True)
+    out = flash_attn_with_kvcache(
+        q.unsqueeze(1),
+        k_cache,
+        v_cache,
+        cache_seqlens=context_lens.int(),
+        block_table=block_tables.int(),
+        softmax_scale=scale,
+        causal=True,
+    )
     return out.squeeze(1)

@@ -38,16 +38,23 @@ def _check_gqa(num_q_heads: int, num_kv_heads: int) -> None:
         raise ValueError(f"q heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads}) for GQA")
 
 
-def _check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      lens: torch.Tensor, lens_name: str) -> None:
+def _check_paged_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+    lens_name: str,
+) -> None:
     """Shape and dtype checks that need no device-to-host copy (so CUDA graphs may capture them).
 
     Without them a one-row ``block_tables`` or ``lens`` would broadcast over the whole batch and
     every sequence would silently attend to the first one's context.
     """
     if k_cache.dim() != 4 or k_cache.shape[3] != q.shape[-1]:
-        raise ValueError(f"k_cache must be [num_blocks, block_size, kv_heads, {q.shape[-1]}], "
-                         f"got shape {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"k_cache must be [num_blocks, block_size, kv_heads, {q.shape[-1]}], got shape {tuple(k_cache.shape)}"
+        )
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
     _check_gqa(q.shape[1], k_cache.shape[2])
@@ -56,20 +63,28 @@ def _check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_seqs = lens.shape[0] if lens.dim() == 1 else -1
     if lens.dim() != 1 or lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{lens_name} must be a 1-D int32/int64 tensor, got {lens.dtype} of shape {tuple(lens.shape)}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype not in (torch.int32,
-                                                                                                 torch.int64):
-        raise ValueError(f"block_tables must be an int32/int64 [{num_seqs}, max_blocks] tensor (one row per "
-                         f"{lens_name} entry), got {block_tables.dtype} of shape {tuple(block_tables.shape)}")
+    if (
+        block_tables.dim() != 2
+        or block_tables.shape[0] != num_seqs
+        or block_tables.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            f"block_tables must be an int32/int64 [{num_seqs}, max_blocks] tensor (one row per "
+            f"{lens_name} entry), got {block_tables.dtype} of shape {tuple(block_tables.shape)}"
+        )
 
 
 def _check_capacity(max_len: int, block_tables: torch.Tensor, block_size: int, lens_name: str) -> None:
     if max_len > block_tables.shape[1] * block_size:
-        raise ValueError(f"{lens_name} reaches {max_len} tokens but block_tables has room for "
-                         f"{block_tables.shape[1]} blocks of {block_size}")
+        raise ValueError(
+            f"{lens_name} reaches {max_len} tokens but block_tables has room for "
+            f"{block_tables.shape[1]} blocks of {block_size}"
+        )
 
 
-def dense_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                              scale: float | None = None) -> torch.Tensor:
+def dense_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: float | None = None
+) -> torch.Tensor:
     """softmax(q kᵀ · scale) v for one sequence, in float32, the definition itself.
 
     Args:
@@ -80,7 +95,7 @@ def dense_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_len, hq, d = q.shape
     kv_len, hkv, _ = k.shape
     _check_gqa(hq, hkv)
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     group = hq // hkv
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)
@@ -106,9 +121,15 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> 
     return gathered.flatten(1, 2)[:, :max_len]
 
 
-def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           max_len: int | None = None) -> torch.Tensor:
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_len: int | None = None,
+) -> torch.Tensor:
     """One query token per sequence attending to its whole context in the paged cache.
 
     Args:
@@ -143,14 +164,27 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # this is 1.3-3x faster than enable_gqa=True (bfloat16 gains most), with identical results.
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    out = F.scaled_dot_product_attention(q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim), k, v,
-                                         attn_mask=visible[:, None, None, :], scale=scale)
+    out = F.scaled_dot_product_attention(
+        q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim),
+        k,
+        v,
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+    )
     return out.reshape(batch, num_q_heads, head_dim)
 
 
-def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_tables: torch.Tensor,
-                           scale: float, causal: bool = True, decode=None) -> torch.Tensor:
+def paged_attention_varlen(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    decode=None,
+) -> torch.Tensor:
     """Packed new tokens of ``B`` sequences attending to their cached context and to each other.
 
     Args:
@@ -176,8 +210,9 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_lens = seq_lens_k.tolist()
     q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     if len(cu) != len(kv_lens) + 1 or cu[0] != 0 or cu[-1] != q.shape[0] or min(q_lens, default=0) < 0:
-        raise ValueError(f"cu_seqlens_q must rise from 0 to the {q.shape[0]} query tokens in "
-                         f"{len(kv_lens) + 1} entries, got {cu}")
+        raise ValueError(
+            f"cu_seqlens_q must rise from 0 to the {q.shape[0]} query tokens in {len(kv_lens) + 1} entries, got {cu}"
+        )
     if any(ql > kl for ql, kl in zip(q_lens, kv_lens)):
         raise ValueError("seq_lens_k must be >= each sequence's number of new tokens (cu_seqlens_q)")
     if min(kv_lens, default=1) < 1:
@@ -188,8 +223,9 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if single:
         rows = torch.tensor([cu[b] for b in single], device=q.device)
         idx = torch.tensor(single, device=block_tables.device)
-        out[rows] = (decode or paged_attention_decode)(q[rows], k_cache, v_cache, block_tables[idx], seq_lens_k[idx],
-                                                       scale)
+        out[rows] = (decode or paged_attention_decode)(
+            q[rows], k_cache, v_cache, block_tables[idx], seq_lens_k[idx], scale
+        )
     num_q_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -199,15 +235,15 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         # GQA as a broadcast: K/V [Hkv, 1, kv_len, D] expanded (no copy) over the G query heads of
         # each group ([Hkv, G, q_len, D]). With enable_gqa and a mask, a CPU falls back to SDPA's
         # math path, about 2x slower here.
-        k = gather_kv(k_cache, block_tables[b:b + 1], kv_len)[0].transpose(0, 1).unsqueeze(1)
-        v = gather_kv(v_cache, block_tables[b:b + 1], kv_len)[0].transpose(0, 1).unsqueeze(1)
+        k = gather_kv(k_cache, block_tables[b : b + 1], kv_len)[0].transpose(0, 1).unsqueeze(1)
+        v = gather_kv(v_cache, block_tables[b : b + 1], kv_len)[0].transpose(0, 1).unsqueeze(1)
         shape = (num_kv_heads, group, kv_len, head_dim)
-        qs = q[cu[b]:cu[b + 1]].reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        qs = q[cu[b] : cu[b + 1]].reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         if causal and q_len < kv_len:  # new tokens after cached context: an explicit offset mask
             q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
             mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos
             o = F.scaled_dot_product_attention(qs, k.expand(shape), v.expand(shape), attn_mask=mask, scale=scale)
         else:
             o = F.scaled_dot_product_attention(qs, k.expand(shape), v.expand(shape), is_causal=causal, scale=scale)
-        out[cu[b]:cu[b + 1]] = o.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_dim)
+        out[cu[b] : cu[b + 1]] = o.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_dim)
     return out

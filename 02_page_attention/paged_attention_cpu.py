@@ -53,10 +53,12 @@ logger = logging.getLogger(__name__)
 
 # The child process that compiles: cpp_extension.load writes build.ninja and the shared object
 # into the given directory (and imports it once, which proves it loads).
-_BUILD_SCRIPT = ("import sys\n"
-                 "from torch.utils.cpp_extension import load\n"
-                 "load(name=sys.argv[1], sources=[sys.argv[2]], build_directory=sys.argv[3], "
-                 "extra_cflags=sys.argv[4:])\n")
+_BUILD_SCRIPT = (
+    "import sys\n"
+    "from torch.utils.cpp_extension import load\n"
+    "load(name=sys.argv[1], sources=[sys.argv[2]], build_directory=sys.argv[3], "
+    "extra_cflags=sys.argv[4:])\n"
+)
 
 
 def compile_flags() -> list[str]:
@@ -87,11 +89,13 @@ def build_key() -> str:
     A cached build is used only when its key equals this one, so editing the ``.cpp``, changing a
     flag, upgrading torch or Python, or moving to another CPU compiles afresh.
     """
-    return (f"source sha256:{hashlib.sha256(SOURCE.read_bytes()).hexdigest()}\n"
-            f"flags {' '.join(compile_flags())}\n"
-            f"torch {torch.__version__}\n"
-            f"python {sys.implementation.cache_tag} {platform.python_version()}\n"
-            f"cpu {_cpu_fingerprint()}\n")
+    return (
+        f"source sha256:{hashlib.sha256(SOURCE.read_bytes()).hexdigest()}\n"
+        f"flags {' '.join(compile_flags())}\n"
+        f"torch {torch.__version__}\n"
+        f"python {sys.implementation.cache_tag} {platform.python_version()}\n"
+        f"cpu {_cpu_fingerprint()}\n"
+    )
 
 
 def cache_dir(key: str) -> Path:
@@ -154,8 +158,12 @@ def build_cpu_kernel(key: str | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     logger.info("compiling %s into %s (once per machine and source, about 25 s)", SOURCE.name, directory)
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, EXTENSION_NAME, str(SOURCE), str(directory),
-                             *compile_flags()], capture_output=True, text=True, env=_build_env())
+    result = subprocess.run(
+        [sys.executable, "-c", _BUILD_SCRIPT, EXTENSION_NAME, str(SOURCE), str(directory), *compile_flags()],
+        capture_output=True,
+        text=True,
+        env=_build_env(),
+    )
     if result.returncode != 0:
         lines = [line.strip() for line in (result.stdout + result.stderr).splitlines() if line.strip()]
         errors = [line for line in lines if "error" in line.lower()]  # the compiler's, then the traceback's
@@ -209,12 +217,22 @@ def cpu_kernel_available() -> bool:
 
 def supports(q: torch.Tensor) -> bool:
     """Whether the kernel takes these queries: CPU tensors of a float dtype and a compiled head size."""
-    return (q.device.type == "cpu" and q.dim() == 3 and q.shape[-1] in HEAD_DIMS
-            and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    return (
+        q.device.type == "cpu"
+        and q.dim() == 3
+        and q.shape[-1] in HEAD_DIMS
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
 
 
-def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention_decode_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Same contract as :func:`paged_attention.paged_attention_decode`, on the compiled kernel.
 
     Args:
@@ -228,8 +246,10 @@ def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         ``[B, Hq, D]`` in ``q``'s dtype.
     """
     if not supports(q):
-        raise ValueError(f"q must be a [batch, heads, head_dim] CPU float tensor with head_dim in {HEAD_DIMS}, "
-                         f"got {q.dtype} of shape {tuple(q.shape)} on {q.device}")
+        raise ValueError(
+            f"q must be a [batch, heads, head_dim] CPU float tensor with head_dim in {HEAD_DIMS}, "
+            f"got {q.dtype} of shape {tuple(q.shape)} on {q.device}"
+        )
     _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, "context_lens")
     if context_lens.shape[0] != q.shape[0]:
         raise ValueError(f"context_lens must have one entry per query ({q.shape[0]}), got {context_lens.shape[0]}")
@@ -241,9 +261,11 @@ def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def main() -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(description="Build the CPU paged-attention kernel for this machine, or load "
-                                                 "it from the cache when the same source, flags, torch, Python and "
-                                                 "CPU were built before.")
+    parser = argparse.ArgumentParser(
+        description="Build the CPU paged-attention kernel for this machine, or load "
+        "it from the cache when the same source, flags, torch, Python and "
+        "CPU were built before."
+    )
     parser.parse_args()
     cached = is_cached()
     start = time.perf_counter()

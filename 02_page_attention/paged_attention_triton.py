@@ -43,13 +43,21 @@ VARLEN_BLOCK_M = 16
 VARLEN_BLOCK_N = 32
 
 
-def _check_common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  lens: torch.Tensor, lens_name: str, num_seqs: int) -> None:
+def _check_common(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+    lens_name: str,
+    num_seqs: int,
+) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape[3] != q.shape[2]:
-        raise ValueError(f"k_cache must be [num_blocks, block_size, kv_heads, {q.shape[2]}], "
-                         f"got shape {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"k_cache must be [num_blocks, block_size, kv_heads, {q.shape[2]}], got shape {tuple(k_cache.shape)}"
+        )
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
     if q.shape[1] % k_cache.shape[2]:
@@ -58,38 +66,81 @@ def _check_common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache must have a contiguous last (head_dim) dimension")
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_tables must be an int32/int64 [{num_seqs}, max_blocks] tensor, "
-                         f"got {block_tables.dtype} of shape {tuple(block_tables.shape)}")
+    if (
+        block_tables.dim() != 2
+        or block_tables.shape[0] != num_seqs
+        or block_tables.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            f"block_tables must be an int32/int64 [{num_seqs}, max_blocks] tensor, "
+            f"got {block_tables.dtype} of shape {tuple(block_tables.shape)}"
+        )
     if lens.shape != (num_seqs,) or lens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{lens_name} must be an int32/int64 [{num_seqs}] tensor, "
-                         f"got {lens.dtype} of shape {tuple(lens.shape)}")
+        raise ValueError(
+            f"{lens_name} must be an int32/int64 [{num_seqs}] tensor, got {lens.dtype} of shape {tuple(lens.shape)}"
+        )
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return  # the value checks below copy to the host, which a CUDA graph capture forbids
     if num_seqs and int(lens.min()) < 1:
         raise ValueError(f"{lens_name} must be >= 1 for every sequence (a query needs a key to attend to)")
     if num_seqs and cdiv(int(lens.max()), k_cache.shape[1]) > block_tables.shape[1]:
-        raise ValueError(f"block_tables has {block_tables.shape[1]} columns, too few for {lens_name} "
-                         f"{int(lens.max())} at block_size {k_cache.shape[1]}")
+        raise ValueError(
+            f"block_tables has {block_tables.shape[1]} columns, too few for {lens_name} "
+            f"{int(lens.max())} at block_size {k_cache.shape[1]}"
+        )
 
 
 if HAS_TRITON:
 
     @triton.jit
-    def _load_kv_tile(cache_ptr, block_tables_ptr, seq, kv_head, pos, valid, d, d_mask,
-                      stride_b, stride_t, stride_h, stride_bt, BLOCK_SIZE: tl.constexpr):
+    def _load_kv_tile(
+        cache_ptr,
+        block_tables_ptr,
+        seq,
+        kv_head,
+        pos,
+        valid,
+        d,
+        d_mask,
+        stride_b,
+        stride_t,
+        stride_h,
+        stride_bt,
+        BLOCK_SIZE: tl.constexpr,
+    ):
         # The paged read: position -> (physical block, slot in block) through the block table.
         block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         offs = block[:, None] * stride_b + (pos % BLOCK_SIZE)[:, None] * stride_t + kv_head * stride_h + d[None, :]
         return tl.load(cache_ptr + offs, mask=valid[:, None] & d_mask[None, :], other=0.0)
 
     @triton.jit
-    def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, scale,
-                             stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                             stride_bt, stride_ob, stride_oh,
-                             BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                             UPCAST: tl.constexpr):
+    def _paged_decode_kernel(
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        context_lens_ptr,
+        out_ptr,
+        scale,
+        stride_qb,
+        stride_qh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        stride_bt,
+        stride_ob,
+        stride_oh,
+        BLOCK_SIZE: tl.constexpr,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         ctx_len = tl.load(context_lens_ptr + seq)
@@ -98,8 +149,11 @@ if HAS_TRITON:
         g_mask = g < GROUP
         d_mask = d < HEAD_DIM
         heads = kv_head * GROUP + g
-        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
         if UPCAST:
             q = q.to(tl.float32)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -108,10 +162,36 @@ if HAS_TRITON:
         for start in range(0, ctx_len, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             valid = pos < ctx_len
-            k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, kv_head, pos, valid, d, d_mask,
-                              stride_kb, stride_kt, stride_kh, stride_bt, BLOCK_SIZE)
-            v = _load_kv_tile(v_cache_ptr, block_tables_ptr, seq, kv_head, pos, valid, d, d_mask,
-                              stride_vb, stride_vt, stride_vh, stride_bt, BLOCK_SIZE)
+            k = _load_kv_tile(
+                k_cache_ptr,
+                block_tables_ptr,
+                seq,
+                kv_head,
+                pos,
+                valid,
+                d,
+                d_mask,
+                stride_kb,
+                stride_kt,
+                stride_kh,
+                stride_bt,
+                BLOCK_SIZE,
+            )
+            v = _load_kv_tile(
+                v_cache_ptr,
+                block_tables_ptr,
+                seq,
+                kv_head,
+                pos,
+                valid,
+                d,
+                d_mask,
+                stride_vb,
+                stride_vt,
+                stride_vh,
+                stride_bt,
+                BLOCK_SIZE,
+            )
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -125,17 +205,42 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             m_i = m_new
         out = acc / l_i[:, None]
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(
+            out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
 
     @triton.jit
-    def _paged_varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, seq_lens_k_ptr, block_tables_ptr,
-                             out_ptr, scale,
-                             stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                             stride_bt, stride_ot, stride_oh,
-                             BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+    def _paged_varlen_kernel(
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        cu_seqlens_q_ptr,
+        seq_lens_k_ptr,
+        block_tables_ptr,
+        out_ptr,
+        scale,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        stride_bt,
+        stride_ot,
+        stride_oh,
+        BLOCK_SIZE: tl.constexpr,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
         tile = tl.program_id(0)
         seq = tl.program_id(1)
         head = tl.program_id(2)
@@ -150,8 +255,11 @@ if HAS_TRITON:
         q_pos = kv_len - q_len + rows  # absolute positions: the cached context comes first
         d = tl.arange(0, D_PAD)
         d_mask = d < HEAD_DIM
-        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
-                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+            mask=row_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
         if UPCAST:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -163,10 +271,36 @@ if HAS_TRITON:
         for start in range(0, hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             valid = pos < kv_len
-            k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, kv_head, pos, valid, d, d_mask,
-                              stride_kb, stride_kt, stride_kh, stride_bt, BLOCK_SIZE)
-            v = _load_kv_tile(v_cache_ptr, block_tables_ptr, seq, kv_head, pos, valid, d, d_mask,
-                              stride_vb, stride_vt, stride_vh, stride_bt, BLOCK_SIZE)
+            k = _load_kv_tile(
+                k_cache_ptr,
+                block_tables_ptr,
+                seq,
+                kv_head,
+                pos,
+                valid,
+                d,
+                d_mask,
+                stride_kb,
+                stride_kt,
+                stride_kh,
+                stride_bt,
+                BLOCK_SIZE,
+            )
+            v = _load_kv_tile(
+                v_cache_ptr,
+                block_tables_ptr,
+                seq,
+                kv_head,
+                pos,
+                valid,
+                d,
+                d_mask,
+                stride_vb,
+                stride_vt,
+                stride_vh,
+                stride_bt,
+                BLOCK_SIZE,
+            )
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -183,8 +317,11 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             m_i = m_new
         out = acc / l_i[:, None]
-        tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+        tl.store(
+            out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & d_mask[None, :],
+        )
 
 
 def _require_triton() -> None:
@@ -197,8 +334,14 @@ def _packed_heads(q: torch.Tensor) -> torch.Tensor:
     return q if q.stride(2) == 1 else q.contiguous()
 
 
-def paged_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention_decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One query token per sequence attending to its paged context; same contract as
     :func:`paged_attention.paged_attention_decode`.
 
@@ -222,17 +365,42 @@ def paged_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if num_seqs == 0:
         return out
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out, float(scale),
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=DECODE_BLOCK_N, UPCAST=INTERPRETED)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_N=DECODE_BLOCK_N,
+        UPCAST=INTERPRETED,
+    )
     return out
 
 
-def paged_attention_varlen_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                  cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_tables: torch.Tensor,
-                                  scale: float, causal: bool = True, max_seqlen_q: int | None = None) -> torch.Tensor:
+def paged_attention_varlen_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
     """Packed new tokens attending to their cached context and to each other; same contract as
     :func:`paged_attention.paged_attention_varlen`.
 
@@ -253,8 +421,10 @@ def paged_attention_varlen_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     """
     _require_triton()
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 1 or cu_seqlens_q.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens_q must be an int32/int64 [B+1] tensor, got {cu_seqlens_q.dtype} "
-                         f"of shape {tuple(cu_seqlens_q.shape)}")
+        raise ValueError(
+            f"cu_seqlens_q must be an int32/int64 [B+1] tensor, got {cu_seqlens_q.dtype} "
+            f"of shape {tuple(cu_seqlens_q.shape)}"
+        )
     num_seqs = cu_seqlens_q.numel() - 1
     _check_common(q, k_cache, v_cache, block_tables, seq_lens_k, "seq_lens_k", num_seqs)
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
@@ -272,10 +442,28 @@ def paged_attention_varlen_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         return out
     grid = (cdiv(max_seqlen_q, VARLEN_BLOCK_M), num_seqs, num_heads)
     _paged_varlen_kernel[grid](
-        q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, out, float(scale),
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=VARLEN_BLOCK_M, BLOCK_N=VARLEN_BLOCK_N,
-        CAUSAL=causal, UPCAST=INTERPRETED)
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens_k,
+        block_tables,
+        out,
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_SIZE=block_size,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=VARLEN_BLOCK_M,
+        BLOCK_N=VARLEN_BLOCK_N,
+        CAUSAL=causal,
+        UPCAST=INTERPRETED,
+    )
     return out

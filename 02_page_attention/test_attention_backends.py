@@ -24,13 +24,25 @@ def test_auto_on_cpu_picks_the_cpp_kernel_where_it_builds_and_equals_its_parts()
     assert select_backend(q, kc) == expected
     assert select_backend(q.double(), kc.double()) == "torch"  # a dtype the kernel was not compiled for
     decode = paged_attention_decode_cpu if expected == "cpp" else None
-    torch.testing.assert_close(paged_attention(q, kc, vc, cu, lens, bt, 0.25, max_seqlen_q=5),
-                               paged_attention_varlen(q, kc, vc, cu, lens, bt, 0.25, decode=decode), rtol=0, atol=0)
+    torch.testing.assert_close(
+        paged_attention(q, kc, vc, cu, lens, bt, 0.25, max_seqlen_q=5),
+        paged_attention_varlen(q, kc, vc, cu, lens, bt, 0.25, decode=decode),
+        rtol=0,
+        atol=0,
+    )
     q, kc, vc, cu, lens, bt = _batch([1, 1, 1], [9, 6, 3])
-    torch.testing.assert_close(paged_attention(q, kc, vc, cu, lens, bt, 0.25, max_seqlen_q=1),
-                               (decode or paged_attention_decode)(q, kc, vc, bt, lens, 0.25), rtol=0, atol=0)
-    torch.testing.assert_close(paged_attention(q, kc, vc, cu, lens, bt, 0.25, max_seqlen_q=1, backend="torch"),
-                               paged_attention_decode(q, kc, vc, bt, lens, 0.25), rtol=0, atol=0)
+    torch.testing.assert_close(
+        paged_attention(q, kc, vc, cu, lens, bt, 0.25, max_seqlen_q=1),
+        (decode or paged_attention_decode)(q, kc, vc, bt, lens, 0.25),
+        rtol=0,
+        atol=0,
+    )
+    torch.testing.assert_close(
+        paged_attention(q, kc, vc, cu, lens, bt, 0.25, max_seqlen_q=1, backend="torch"),
+        paged_attention_decode(q, kc, vc, bt, lens, 0.25),
+        rtol=0,
+        atol=0,
+    )
 
 
 @pytest.mark.parametrize("q_lens,kv_lens", [([5, 1, 3], [9, 6, 3]), ([1, 1, 1], [9, 6, 13])])

@@ -22,8 +22,17 @@ def test_wrappers_refuse_cpu_tensors_or_a_missing_flash_attn():
     with pytest.raises(error):
         flash_decode(torch.zeros(1, 2, 16, dtype=torch.bfloat16), k_cache, k_cache, bt, lens, 1.0)
     with pytest.raises(error):
-        flash_varlen(torch.zeros(3, 2, 16, dtype=torch.bfloat16), k_cache, k_cache,
-                     torch.tensor([0, 3], dtype=torch.int32), lens, bt, 1.0, 3, 3)
+        flash_varlen(
+            torch.zeros(3, 2, 16, dtype=torch.bfloat16),
+            k_cache,
+            k_cache,
+            torch.tensor([0, 3], dtype=torch.int32),
+            lens,
+            bt,
+            1.0,
+            3,
+            3,
+        )
 
 
 @pytest.mark.cuda
@@ -31,9 +40,14 @@ def test_wrappers_refuse_cpu_tensors_or_a_missing_flash_attn():
 def test_flash_wrappers_reject_block_sizes_flash_attn_cannot_page():
     k_cache = torch.zeros(2, 16, 1, 64, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="multiple of 256"):
-        flash_decode(torch.zeros(1, 2, 64, dtype=torch.bfloat16, device="cuda"), k_cache, k_cache,
-                     torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
-                     torch.tensor([3], dtype=torch.int32, device="cuda"), 1.0)
+        flash_decode(
+            torch.zeros(1, 2, 64, dtype=torch.bfloat16, device="cuda"),
+            k_cache,
+            k_cache,
+            torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
+            torch.tensor([3], dtype=torch.int32, device="cuda"),
+            1.0,
+        )
 
 
 @pytest.mark.cuda
@@ -50,10 +64,10 @@ def test_flash_decode_and_varlen_match_torch(dtype):
     q = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype).cuda()
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     lens = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
-    out = flash_varlen(q, k_cache, v_cache, cu, lens, bt, d ** -0.5, max(q_lens), max(kv_lens))
-    ref = paged_attention_varlen(q, k_cache, v_cache, cu, lens, bt, d ** -0.5)
+    out = flash_varlen(q, k_cache, v_cache, cu, lens, bt, d**-0.5, max(q_lens), max(kv_lens))
+    ref = paged_attention_varlen(q, k_cache, v_cache, cu, lens, bt, d**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     q1 = torch.randn(len(kv_lens), hq, d, generator=g).to(dtype).cuda()
-    out = flash_decode(q1, k_cache, v_cache, bt, lens, d ** -0.5)
-    ref = paged_attention_decode(q1, k_cache, v_cache, bt, lens, d ** -0.5)
+    out = flash_decode(q1, k_cache, v_cache, bt, lens, d**-0.5)
+    ref = paged_attention_decode(q1, k_cache, v_cache, bt, lens, d**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -14,10 +14,19 @@ READER_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 def test_demo_runs_and_every_path_matches_dense():
-    out = subprocess.run([sys.executable, str(HERE / "demo.py"), "--batch-sizes", "1", "4", "--context-len", "64",
-                          "--repeats", "2"], capture_output=True, text=True, timeout=240, env=READER_ENV)
+    out = subprocess.run(
+        [sys.executable, str(HERE / "demo.py"), "--batch-sizes", "1", "4", "--context-len", "64", "--repeats", "2"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=READER_ENV,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = {line.split()[0].rstrip(","): line for line in out.stdout.splitlines() if line.strip().startswith(("decode", "prefill"))}
+    rows = {
+        line.split()[0].rstrip(","): line
+        for line in out.stdout.splitlines()
+        if line.strip().startswith(("decode", "prefill"))
+    }
     for name in ("decode", "prefill"):
         errors = [float(x) for x in re.findall(r"\d\.\d\de[-+]\d\d", rows[name])]
         expected = 3 if name == "decode" and cpu_kernel_available() else 2

@@ -43,16 +43,16 @@ def decode_batch(num_q_heads, num_kv_heads, dtype, seed, kv_lens=(1, 7, 16, 17, 
 def assert_each_sequence_matches_dense(out, q, ks, vs, scale, tol):
     """Row ``b`` of a decode output equals dense attention over sequence ``b``'s own K/V."""
     for b in range(len(ks)):
-        ref = dense_attention_reference(q[b:b + 1], ks[b], vs[b], causal=True, scale=scale)
-        torch.testing.assert_close(out[b:b + 1].float(), ref.float(), **tol)
+        ref = dense_attention_reference(q[b : b + 1], ks[b], vs[b], causal=True, scale=scale)
+        torch.testing.assert_close(out[b : b + 1].float(), ref.float(), **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 def test_decode_matches_dense(dtype, num_q_heads, num_kv_heads):
     q, k_cache, v_cache, bt, lens, ks, vs = decode_batch(num_q_heads, num_kv_heads, dtype, seed=1)
-    out = paged_attention_decode(q, k_cache, v_cache, bt, lens, 32 ** -0.5)
-    assert_each_sequence_matches_dense(out, q, ks, vs, 32 ** -0.5, TOL[dtype])
+    out = paged_attention_decode(q, k_cache, v_cache, bt, lens, 32**-0.5)
+    assert_each_sequence_matches_dense(out, q, ks, vs, 32**-0.5, TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -66,10 +66,10 @@ def test_varlen_with_cached_context_matches_dense(dtype):
     q_lens = [ql for ql, _ in shapes]
     q = torch.randn(sum(q_lens), hq, d, generator=torch.Generator().manual_seed(4)).to(dtype)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    out = paged_attention_varlen(q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), bt, d ** -0.5)
+    out = paged_attention_varlen(q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), bt, d**-0.5)
     for b in range(len(shapes)):
-        ref = dense_attention_reference(q[cu[b]:cu[b + 1]], ks[b], vs[b], causal=True, scale=d ** -0.5)
-        torch.testing.assert_close(out[cu[b]:cu[b + 1]].float(), ref.float(), **TOL[dtype])
+        ref = dense_attention_reference(q[cu[b] : cu[b + 1]], ks[b], vs[b], causal=True, scale=d**-0.5)
+        torch.testing.assert_close(out[cu[b] : cu[b + 1]].float(), ref.float(), **TOL[dtype])
 
 
 def test_varlen_without_causal_mask_sees_every_key():

@@ -29,8 +29,10 @@ from paged_attention_cpu import (
 )
 from test_paged_attention import TOL, assert_each_sequence_matches_dense, build_paged, decode_batch
 
-needs_kernel = pytest.mark.skipif(not cpu_kernel_available(), reason="the C++ kernel could not be built here "
-                                  "(no C++ compiler?); the engine uses the torch path")
+needs_kernel = pytest.mark.skipif(
+    not cpu_kernel_available(),
+    reason="the C++ kernel could not be built here (no C++ compiler?); the engine uses the torch path",
+)
 TOL_CPU = {**TOL, torch.float16: dict(atol=5e-3, rtol=5e-3)}
 
 
@@ -39,21 +41,23 @@ TOL_CPU = {**TOL, torch.float16: dict(atol=5e-3, rtol=5e-3)}
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 def test_decode_kernel_matches_dense_and_torch(dtype, num_q_heads, num_kv_heads):
     q, k_cache, v_cache, bt, lens, ks, vs = decode_batch(num_q_heads, num_kv_heads, dtype, seed=11)
-    out = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, 32 ** -0.5)
+    out = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, 32**-0.5)
     assert out.dtype == dtype and out.shape == q.shape
-    assert_each_sequence_matches_dense(out, q, ks, vs, 32 ** -0.5, TOL_CPU[dtype])
+    assert_each_sequence_matches_dense(out, q, ks, vs, 32**-0.5, TOL_CPU[dtype])
     if dtype != torch.float16:
-        torch.testing.assert_close(out.float(), paged_attention_decode(q, k_cache, v_cache, bt, lens, 32 ** -0.5).float(),
-                                   **TOL[dtype])
+        torch.testing.assert_close(
+            out.float(), paged_attention_decode(q, k_cache, v_cache, bt, lens, 32**-0.5).float(), **TOL[dtype]
+        )
 
 
 @needs_kernel
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_every_compiled_head_size_and_a_block_size_of_16(head_dim):
-    q, k_cache, v_cache, bt, lens, ks, vs = decode_batch(6, 2, torch.bfloat16, seed=head_dim, kv_lens=(3, 33, 100),
-                                                         head_dim=head_dim, block_size=16)
-    out = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, head_dim ** -0.5)
-    assert_each_sequence_matches_dense(out, q, ks, vs, head_dim ** -0.5, TOL[torch.bfloat16])
+    q, k_cache, v_cache, bt, lens, ks, vs = decode_batch(
+        6, 2, torch.bfloat16, seed=head_dim, kv_lens=(3, 33, 100), head_dim=head_dim, block_size=16
+    )
+    out = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, head_dim**-0.5)
+    assert_each_sequence_matches_dense(out, q, ks, vs, head_dim**-0.5, TOL[torch.bfloat16])
 
 
 @needs_kernel
@@ -84,21 +88,25 @@ def test_bad_arguments_raise_value_error_naming_them():
     with pytest.raises(ValueError, match="block_tables"):
         paged_attention_decode_cpu(q, k_cache, v_cache, bad, torch.tensor([5, 3]), 1.0)
     with pytest.raises(ValueError, match="head_dim"):
-        paged_attention_decode_cpu(torch.randn(2, 4, 12), k_cache[..., :12], v_cache[..., :12], bt,
-                                   torch.tensor([5, 3]), 1.0)
+        paged_attention_decode_cpu(
+            torch.randn(2, 4, 12), k_cache[..., :12], v_cache[..., :12], bt, torch.tensor([5, 3]), 1.0
+        )
     with pytest.raises(ValueError, match="kv heads"):
         paged_attention_decode_cpu(torch.randn(2, 3, 16), k_cache, v_cache, bt, torch.tensor([5, 3]), 1.0)
-    assert paged_attention_decode_cpu(q[:0], k_cache, v_cache, bt[:0], torch.tensor([], dtype=torch.int32),
-                                      1.0).shape == (0, 4, 16)
+    assert paged_attention_decode_cpu(
+        q[:0], k_cache, v_cache, bt[:0], torch.tensor([], dtype=torch.int32), 1.0
+    ).shape == (0, 4, 16)
 
 
 def test_without_a_compiler_the_dispatcher_keeps_the_torch_path(tmp_path):
     """A machine that cannot build the kernel warns once and runs the torch path, not an error."""
-    code = ("import torch\n"
-            "from paged_attention_cpu import cpu_kernel_available\n"
-            "from attention_backends import select_backend\n"
-            "assert not cpu_kernel_available()\n"
-            "assert select_backend(torch.randn(2, 4, 16), torch.randn(3, 4, 2, 16)) == 'torch'\n")
+    code = (
+        "import torch\n"
+        "from paged_attention_cpu import cpu_kernel_available\n"
+        "from attention_backends import select_backend\n"
+        "assert not cpu_kernel_available()\n"
+        "assert select_backend(torch.randn(2, 4, 16), torch.randn(3, 4, 2, 16)) == 'torch'\n"
+    )
     env = dict(os.environ, CXX="/bin/false", TORCH_EXTENSIONS_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -123,15 +131,18 @@ def test_a_cached_kernel_loads_without_compiling_whichever_ninja_is_on_path():
     before = so.stat()
     venv_bin = str(Path(sys.executable).parent)
     paths = [os.pathsep.join([venv_bin, os.environ.get("PATH", "")]), os.pathsep.join(["/usr/bin", "/bin"])]
-    code = ("import logging, shutil\n"
-            "logging.basicConfig(level=logging.INFO)\n"
-            "import paged_attention_cpu\n"
-            "paged_attention_cpu.load_cpu_kernel()\n"
-            "print(shutil.which('ninja'))\n")
+    code = (
+        "import logging, shutil\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "import paged_attention_cpu\n"
+        "paged_attention_cpu.load_cpu_kernel()\n"
+        "print(shutil.which('ninja'))\n"
+    )
     ninjas = []
     for path in paths:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                             env=dict(os.environ, PATH=path))
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=dict(os.environ, PATH=path)
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         assert f"loaded cached kernel {so}" in out.stderr and "compiling" not in out.stderr, out.stderr
         ninjas.append(out.stdout.strip())

@@ -23,11 +23,12 @@ def _cu(q_lens):
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (8, 2), (6, 1)])
 def test_decode_triton_matches_torch_and_dense(dtype, num_q_heads, num_kv_heads):
     q, k_cache, v_cache, bt, lens, ks, vs = decode_batch(num_q_heads, num_kv_heads, dtype, seed=11)
-    out = paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, 32 ** -0.5)
+    out = paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, 32**-0.5)
     assert out.shape == q.shape and out.dtype == dtype
-    torch.testing.assert_close(out.float(), paged_attention_decode(q, k_cache, v_cache, bt, lens, 32 ** -0.5).float(),
-                               **TOL[dtype])
-    assert_each_sequence_matches_dense(out, q, ks, vs, 32 ** -0.5, TOL[dtype])
+    torch.testing.assert_close(
+        out.float(), paged_attention_decode(q, k_cache, v_cache, bt, lens, 32**-0.5).float(), **TOL[dtype]
+    )
+    assert_each_sequence_matches_dense(out, q, ks, vs, 32**-0.5, TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -40,12 +41,13 @@ def test_varlen_triton_with_cached_context_matches_dense(dtype):
     k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, hkv, d, bs, dtype, seed=13)
     q = torch.randn(sum(q_lens), hq, d, generator=torch.Generator().manual_seed(14)).to(dtype)
     cu, lens = _cu(q_lens), torch.tensor(kv_lens, dtype=torch.int32)
-    out = paged_attention_varlen_triton(q, k_cache, v_cache, cu, lens, bt, d ** -0.5)
-    torch.testing.assert_close(out.float(), paged_attention_varlen(q, k_cache, v_cache, cu, lens, bt, d ** -0.5).float(),
-                               **TOL[dtype])
+    out = paged_attention_varlen_triton(q, k_cache, v_cache, cu, lens, bt, d**-0.5)
+    torch.testing.assert_close(
+        out.float(), paged_attention_varlen(q, k_cache, v_cache, cu, lens, bt, d**-0.5).float(), **TOL[dtype]
+    )
     for b in range(len(shapes)):
-        ref = dense_attention_reference(q[cu[b]:cu[b + 1]], ks[b], vs[b], causal=True, scale=d ** -0.5)
-        torch.testing.assert_close(out[cu[b]:cu[b + 1]].float(), ref.float(), **TOL[dtype])
+        ref = dense_attention_reference(q[cu[b] : cu[b + 1]], ks[b], vs[b], causal=True, scale=d**-0.5)
+        torch.testing.assert_close(out[cu[b] : cu[b + 1]].float(), ref.float(), **TOL[dtype])
 
 
 def test_varlen_triton_without_causal_mask_sees_every_key():
@@ -62,20 +64,20 @@ def test_odd_block_size_and_head_dim_and_garbage_table_entries():
     # point far outside the cache, so reading one would fault or return garbage.
     kv_lens, hq, hkv, d, bs = [5, 12, 13, 25], 4, 2, 24, 6
     k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, hkv, d, bs, torch.float32, seed=17)
-    bt = torch.where(bt < 0, torch.full_like(bt, 10 ** 6), bt)
+    bt = torch.where(bt < 0, torch.full_like(bt, 10**6), bt)
     lens = torch.tensor(kv_lens, dtype=torch.int32)
     g = torch.Generator().manual_seed(18)
     q_dec = torch.randn(len(kv_lens), hq, d, generator=g)
-    out_dec = paged_attention_decode_triton(q_dec, k_cache, v_cache, bt, lens, d ** -0.5)
+    out_dec = paged_attention_decode_triton(q_dec, k_cache, v_cache, bt, lens, d**-0.5)
     q_lens = [5, 4, 1, 7]
     q_var = torch.randn(sum(q_lens), hq, d, generator=g)
     cu = _cu(q_lens)
-    out_var = paged_attention_varlen_triton(q_var, k_cache, v_cache, cu, lens, bt, d ** -0.5)
+    out_var = paged_attention_varlen_triton(q_var, k_cache, v_cache, cu, lens, bt, d**-0.5)
     for b in range(len(kv_lens)):
-        ref = dense_attention_reference(q_dec[b:b + 1], ks[b], vs[b], scale=d ** -0.5)
-        torch.testing.assert_close(out_dec[b:b + 1], ref, **TOL[torch.float32])
-        ref = dense_attention_reference(q_var[cu[b]:cu[b + 1]], ks[b], vs[b], scale=d ** -0.5)
-        torch.testing.assert_close(out_var[cu[b]:cu[b + 1]], ref, **TOL[torch.float32])
+        ref = dense_attention_reference(q_dec[b : b + 1], ks[b], vs[b], scale=d**-0.5)
+        torch.testing.assert_close(out_dec[b : b + 1], ref, **TOL[torch.float32])
+        ref = dense_attention_reference(q_var[cu[b] : cu[b + 1]], ks[b], vs[b], scale=d**-0.5)
+        torch.testing.assert_close(out_var[cu[b] : cu[b + 1]], ref, **TOL[torch.float32])
 
 
 def test_strided_q_from_a_fused_qkv_and_varlen_decode_rows_equal_decode_kernel():
@@ -84,7 +86,7 @@ def test_strided_q_from_a_fused_qkv_and_varlen_decode_rows_equal_decode_kernel()
     kv_lens, hq, hkv, d, bs = [3, 9, 4], 4, 2, 16, 4
     k_cache, v_cache, bt, _, _ = build_paged(kv_lens, hkv, d, bs, torch.float32, seed=19)
     qkv = torch.randn(len(kv_lens), (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(20))
-    q = qkv[:, :hq * d].view(-1, hq, d)
+    q = qkv[:, : hq * d].view(-1, hq, d)
     assert not q.is_contiguous()
     lens = torch.tensor(kv_lens, dtype=torch.int32)
     dec = paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, 0.3)

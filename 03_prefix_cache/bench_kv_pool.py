@@ -38,16 +38,28 @@ def bench_backend(backend, args, block_bytes: int) -> list[tuple[str, float, int
     tokens = list(range(args.block_size))
     value = serialize_block(kv_cache[:, :, 0], tuple(tokens))
     keys = [f"bench/{os.getpid()}/{i}" for i in range(n + 33)]
-    rows = [("put 1", timed(lambda i: backend.put_many({keys[i]: value}), n), 1),
-            ("get 1", timed(lambda i: backend.get_many([keys[i]]), n), 1),
-            ("exists 1", timed(lambda i: backend.exists_many([keys[i]]), n), 1),
-            ("get_many 32", timed(lambda i: backend.get_many(keys[:32]), max(1, n // 8)), 32)]
+    rows = [
+        ("put 1", timed(lambda i: backend.put_many({keys[i]: value}), n), 1),
+        ("get 1", timed(lambda i: backend.get_many([keys[i]]), n), 1),
+        ("exists 1", timed(lambda i: backend.exists_many([keys[i]]), n), 1),
+        ("get_many 32", timed(lambda i: backend.get_many(keys[:32]), max(1, n // 8)), 32),
+    ]
     pool = GlobalKVPool(backend, namespace=f"bench{os.getpid()}", block_size=args.block_size)
     chains = [hash_block_chain([i] * args.block_size, args.block_size) for i in range(n + 1)]
-    rows.append(("publish 1 (+serialize)",
-                 timed(lambda i: pool.publish(chains[i], [(i,) * args.block_size], kv_cache, [i % args.num_blocks]), n), 1))
-    rows.append(("fetch 1 (+validate, copy)",
-                 timed(lambda i: pool.fetch(chains[i], [(i,) * args.block_size], kv_cache, [0]), n), 1))
+    rows.append(
+        (
+            "publish 1 (+serialize)",
+            timed(lambda i: pool.publish(chains[i], [(i,) * args.block_size], kv_cache, [i % args.num_blocks]), n),
+            1,
+        )
+    )
+    rows.append(
+        (
+            "fetch 1 (+validate, copy)",
+            timed(lambda i: pool.fetch(chains[i], [(i,) * args.block_size], kv_cache, [0]), n),
+            1,
+        )
+    )
     assert pool.num_faults == 0, "a benchmark fetch fell back to recompute"
     return rows
 
@@ -61,16 +73,22 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--num-blocks", type=int, default=8, help="blocks in the benchmark's paged cache")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads; copying one block is too small to split, and on a "
-                         "busy 2-core machine extra threads only wait on each other")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads; copying one block is too small to split, and on a "
+        "busy 2-core machine extra threads only wait on each other",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("GLOG_minloglevel", "2")
     itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     block_bytes = 2 * args.layers * args.block_size * args.kv_heads * args.head_dim * itemsize
-    print(f"one block = {block_bytes / 1024:.0f} KiB ({args.layers} layers, {args.block_size} tokens, "
-          f"{args.kv_heads} KV heads x {args.head_dim}, {args.dtype})")
+    print(
+        f"one block = {block_bytes / 1024:.0f} KiB ({args.layers} layers, {args.block_size} tokens, "
+        f"{args.kv_heads} KV heads x {args.head_dim}, {args.dtype})"
+    )
 
     results = {}
     backends = ["embedded"] + ([] if mooncake_unavailable_reason() else ["mooncake"])
@@ -79,8 +97,9 @@ def main() -> None:
             results[name] = bench_backend(EmbeddedKVPool(4 << 30), args, block_bytes)
             continue
         with MooncakeMaster() as master, MooncakeClient(master, segment_size="1 GB"):
-            backend = MooncakeKVPool(master.master_addr, master.metadata_url, global_segment_size=0,
-                                     local_buffer_size=256 << 20)
+            backend = MooncakeKVPool(
+                master.master_addr, master.metadata_url, global_segment_size=0, local_buffer_size=256 << 20
+            )
             try:
                 results[name] = bench_backend(backend, args, block_bytes)
             finally:

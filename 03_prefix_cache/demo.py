@@ -28,6 +28,7 @@ import torch
 
 def workload(num_requests: int, system_len: int, seed: int = 0) -> list[list[int]]:
     from kv_pool_peer import prompt_tokens
+
     system = prompt_tokens(seed, system_len)
     g = torch.Generator().manual_seed(seed + 1)
     lengths = torch.randint(8, 48, (num_requests,), generator=g).tolist()
@@ -42,30 +43,45 @@ def serve(engine, prompts: list[list[int]]) -> dict:
         exact &= torch.equal(engine.gather_kv(seq), engine.model.compute_kv(prompt))
         engine.finish(seq)
     bm = engine.block_manager
-    return {"prompt_tokens": sum(map(len, prompts)), "from_local": engine.tokens_from_local,
-            "from_pool": engine.tokens_from_pool, "computed": engine.tokens_computed,
-            "hit_rate": bm.hit_rate, "exact": exact, "all_free": bm.all_blocks_free()}
+    return {
+        "prompt_tokens": sum(map(len, prompts)),
+        "from_local": engine.tokens_from_local,
+        "from_pool": engine.tokens_from_pool,
+        "computed": engine.tokens_computed,
+        "hit_rate": bm.hit_rate,
+        "exact": exact,
+        "all_free": bm.all_blocks_free(),
+    }
 
 
 def print_row(name: str, r: dict) -> None:
     saved = r["from_local"] + r["from_pool"]
-    print(f"{name:<10}{r['prompt_tokens']:>9}{r['from_local']:>12}{r['from_pool']:>11}{r['computed']:>10}"
-          f"{saved / r['prompt_tokens']:>9.1%}{r['hit_rate']:>10.1%}   {'yes' if r['exact'] else 'NO'}")
+    print(
+        f"{name:<10}{r['prompt_tokens']:>9}{r['from_local']:>12}{r['from_pool']:>11}{r['computed']:>10}"
+        f"{saved / r['prompt_tokens']:>9.1%}{r['hit_rate']:>10.1%}   {'yes' if r['exact'] else 'NO'}"
+    )
 
 
-HEADER = (f"{'engine':<10}{'prompt':>9}{'local hit':>12}{'pool hit':>11}{'computed':>10}"
-          f"{'saved':>9}{'hit rate':>10}   K/V exact")
+HEADER = (
+    f"{'engine':<10}{'prompt':>9}{'local hit':>12}{'pool hit':>11}{'computed':>10}"
+    f"{'saved':>9}{'hit rate':>10}   K/V exact"
+)
 
 
 def engine_process(backend_spec: dict, prompts: list[list[int]], reserved_blocks: int, results) -> None:
     """One engine in its own process: connect to the pool, serve ``prompts``, report."""
     from global_kv_pool import GlobalKVPool, MooncakeKVPool
     from kv_pool_peer import MiniEngine
+
     warnings.simplefilter("ignore")
     backend = MooncakeKVPool(backend_spec["master_addr"], backend_spec["metadata_url"], global_segment_size=0)
     pool = GlobalKVPool(backend, namespace="demo-toy-model", block_size=backend_spec["block_size"])
-    engine = MiniEngine(pool, num_blocks=backend_spec["num_blocks"], block_size=backend_spec["block_size"],
-                        reserved_blocks=reserved_blocks)
+    engine = MiniEngine(
+        pool,
+        num_blocks=backend_spec["num_blocks"],
+        block_size=backend_spec["block_size"],
+        reserved_blocks=reserved_blocks,
+    )
     report = serve(engine, prompts)
     engine.close()
     report["published"] = pool.num_published
@@ -75,11 +91,16 @@ def engine_process(backend_spec: dict, prompts: list[list[int]], reserved_blocks
 
 def run_two_processes(first: list[list[int]], second: list[list[int]], args) -> tuple[dict, dict]:
     from mooncake_launcher import MooncakeClient, MooncakeMaster
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with MooncakeMaster() as master, MooncakeClient(master, segment_size="128 MB"):
-        spec = {"master_addr": master.master_addr, "metadata_url": master.metadata_url,
-                "block_size": args.block_size, "num_blocks": args.num_blocks}
+        spec = {
+            "master_addr": master.master_addr,
+            "metadata_url": master.metadata_url,
+            "block_size": args.block_size,
+            "num_blocks": args.num_blocks,
+        }
         reports = []
         for prompts, reserved in ((first, 0), (second, 7)):  # A, then B after A has exited
             proc = ctx.Process(target=engine_process, args=(spec, prompts, reserved, results))
@@ -92,6 +113,7 @@ def run_two_processes(first: list[list[int]], second: list[list[int]], args) -> 
 def run_embedded(first: list[list[int]], second: list[list[int]], args) -> tuple[dict, dict]:
     from global_kv_pool import EmbeddedKVPool, GlobalKVPool
     from kv_pool_peer import MiniEngine
+
     pool = GlobalKVPool(EmbeddedKVPool(), namespace="demo-toy-model", block_size=args.block_size)
     reports = []
     for prompts, reserved in ((first, 0), (second, 7)):
@@ -107,22 +129,34 @@ def trace(path: str) -> None:
     them (reference counts above 1)."""
     from vllm_from_scratch.viz import Arrival, demo_trace
 
-    system = ("You are a patient teacher of computer science. You explain ideas to students who are new to "
-              "them, in plain words, with one small example when it helps. Answer in one short sentence.")
+    system = (
+        "You are a patient teacher of computer science. You explain ideas to students who are new to "
+        "them, in plain words, with one small example when it helps. Answer in one short sentence."
+    )
     questions = ["What is the capital of France?", "What is 2 + 2?", "Name a planet.", "What colour is the sky?"]
-    demo_trace(path, [Arrival(q, 8, step=2 * i, system=system) for i, q in enumerate(questions)],
-               num_kvcache_blocks=32, max_model_len=256)
+    demo_trace(
+        path,
+        [Arrival(q, 8, step=2 * i, system=system) for i, q in enumerate(questions)],
+        num_kvcache_blocks=32,
+        max_model_len=256,
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="Prefix caching on a shared-system-prompt workload, locally "
-                                             "and across two engine processes through a Mooncake store.")
+    ap = argparse.ArgumentParser(
+        description="Prefix caching on a shared-system-prompt workload, locally "
+        "and across two engine processes through a Mooncake store."
+    )
     ap.add_argument("--requests", type=int, default=32, help="number of requests")
     ap.add_argument("--system-len", type=int, default=400, help="tokens of the shared system prompt")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=128, help="KV blocks per engine")
     ap.add_argument("--embedded", action="store_true", help="use the in-process pool even if Mooncake works")
-    ap.add_argument("--trace", metavar="PATH", help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)")
+    ap.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)",
+    )
     args = ap.parse_args()
     if args.trace:
         trace(args.trace)
@@ -132,8 +166,10 @@ def main() -> None:
     from mooncake_launcher import mooncake_unavailable_reason
 
     prompts = workload(args.requests, args.system_len)
-    print(f"workload: {args.requests} requests = one {args.system_len}-token system prompt + "
-          f"a 8-47-token user suffix; block size {args.block_size}\n")
+    print(
+        f"workload: {args.requests} requests = one {args.system_len}-token system prompt + "
+        f"a 8-47-token user suffix; block size {args.block_size}\n"
+    )
 
     print("1) one engine, local prefix cache (PrefixCachingBlockManager)")
     print(HEADER)
@@ -148,8 +184,10 @@ def main() -> None:
         print(f"2) two engines through the EMBEDDED pool (note: {reason or '--embedded given'})")
         run = run_embedded
     else:
-        print("2) two engine processes through a Mooncake store (mooncake_master + mooncake_client "
-              f"on loopback);\n   A serves requests 1..{half} and exits, then B serves the rest with a cold local cache")
+        print(
+            "2) two engine processes through a Mooncake store (mooncake_master + mooncake_client "
+            f"on loopback);\n   A serves requests 1..{half} and exits, then B serves the rest with a cold local cache"
+        )
         run = run_two_processes
     t0 = time.perf_counter()
     a, b = run(prompts[:half], prompts[half:], args)

@@ -58,14 +58,21 @@ class KVBlockCorrupt(ValueError):
 def serialize_block(kv: torch.Tensor, token_ids: tuple[int, ...]) -> bytes:
     """One block's K/V ``[2, layers, block_size, kv_heads, head_dim]`` as header + raw bytes."""
     payload = kv.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-    header = json.dumps({"shape": list(kv.shape), "dtype": str(kv.dtype).removeprefix("torch."),
-                         "token_ids": list(token_ids), "nbytes": len(payload),
-                         "xxh64": xxhash.xxh64_hexdigest(payload)}).encode()
+    header = json.dumps(
+        {
+            "shape": list(kv.shape),
+            "dtype": str(kv.dtype).removeprefix("torch."),
+            "token_ids": list(token_ids),
+            "nbytes": len(payload),
+            "xxh64": xxhash.xxh64_hexdigest(payload),
+        }
+    ).encode()
     return b"".join((_HEADER_LEN.pack(MAGIC, len(header)), header, payload))
 
 
-def deserialize_block(value: bytes, shape: tuple[int, ...], dtype: torch.dtype,
-                      token_ids: tuple[int, ...]) -> torch.Tensor:
+def deserialize_block(
+    value: bytes, shape: tuple[int, ...], dtype: torch.dtype, token_ids: tuple[int, ...]
+) -> torch.Tensor:
     """Parse and check a stored block; raise :class:`KVBlockCorrupt` unless it is exactly the
     block of ``token_ids`` with this ``shape`` and ``dtype``."""
     if len(value) < _HEADER_LEN.size:
@@ -74,12 +81,12 @@ def deserialize_block(value: bytes, shape: tuple[int, ...], dtype: torch.dtype,
     if magic != MAGIC:
         raise KVBlockCorrupt(f"bad magic {magic!r}")
     try:
-        header = json.loads(value[_HEADER_LEN.size:_HEADER_LEN.size + header_len])
+        header = json.loads(value[_HEADER_LEN.size : _HEADER_LEN.size + header_len])
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise KVBlockCorrupt(f"unreadable header: {exc}") from None
     if not isinstance(header, dict):
         raise KVBlockCorrupt("header is not a JSON object")
-    payload = value[_HEADER_LEN.size + header_len:]
+    payload = value[_HEADER_LEN.size + header_len :]
     expected = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "token_ids": list(token_ids)}
     for field, want in expected.items():
         if header.get(field) != want:
@@ -191,9 +198,15 @@ class MooncakeKVPool(KVPoolBackend):
 
     name = "mooncake"
 
-    def __init__(self, master_addr: str, metadata_url: str, local_hostname: str | None = None,
-                 global_segment_size: int = 64 << 20, local_buffer_size: int = 64 << 20,
-                 protocol: str = "tcp"):
+    def __init__(
+        self,
+        master_addr: str,
+        metadata_url: str,
+        local_hostname: str | None = None,
+        global_segment_size: int = 64 << 20,
+        local_buffer_size: int = 64 << 20,
+        protocol: str = "tcp",
+    ):
         if global_segment_size < 0:
             raise ValueError(f"global_segment_size must be >= 0, got {global_segment_size}")
         if local_buffer_size <= 0:
@@ -207,11 +220,11 @@ class MooncakeKVPool(KVPoolBackend):
             raise KVPoolError(f"the Mooncake store cannot be imported: {exc}") from exc
         self.local_hostname = local_hostname or f"127.0.0.1:{_free_port()}"
         self._store = MooncakeDistributedStore()
-        rc = self._store.setup(self.local_hostname, metadata_url, global_segment_size,
-                               local_buffer_size, protocol, "", master_addr)
+        rc = self._store.setup(
+            self.local_hostname, metadata_url, global_segment_size, local_buffer_size, protocol, "", master_addr
+        )
         if rc != 0:
-            raise KVPoolError(f"Mooncake setup failed with code {rc} (master {master_addr}, "
-                              f"metadata {metadata_url})")
+            raise KVPoolError(f"Mooncake setup failed with code {rc} (master {master_addr}, metadata {metadata_url})")
         self._closed = False
 
     def put_many(self, items: dict[str, bytes]) -> None:
@@ -262,8 +275,13 @@ class GlobalKVPool:
     fell back to recompute.
     """
 
-    def __init__(self, backend: KVPoolBackend | None = None, namespace: str = "default",
-                 block_size: int = 16, retry_after_s: float = 10.0):
+    def __init__(
+        self,
+        backend: KVPoolBackend | None = None,
+        namespace: str = "default",
+        block_size: int = 16,
+        retry_after_s: float = 10.0,
+    ):
         if not namespace or "/" in namespace:
             raise ValueError(f"namespace must be a non-empty string without '/', got {namespace!r}")
         if block_size <= 0:
@@ -282,8 +300,9 @@ class GlobalKVPool:
 
     def _fault(self, message: str) -> None:
         self.num_faults += 1
-        warnings.warn(f"global KV pool ({self.backend.name}): {message}; recomputing instead",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"global KV pool ({self.backend.name}): {message}; recomputing instead", RuntimeWarning, stacklevel=3
+        )
 
     def _store_failed(self, message: str) -> None:
         self._unavailable_until = time.monotonic() + self.retry_after_s
@@ -311,8 +330,13 @@ class GlobalKVPool:
         """Tokens of the longest prefix of the chain ``block_hashes`` that the pool holds."""
         return self._num_leading_present(block_hashes) * self.block_size
 
-    def publish(self, block_hashes: list[BlockHash], block_token_ids: list[tuple[int, ...]],
-                kv_cache: torch.Tensor, block_ids: list[int]) -> int:
+    def publish(
+        self,
+        block_hashes: list[BlockHash],
+        block_token_ids: list[tuple[int, ...]],
+        kv_cache: torch.Tensor,
+        block_ids: list[int],
+    ) -> int:
         """Store the blocks ``block_ids`` of ``kv_cache`` under their hashes; returns how many
         were new. Blocks the pool already holds are not sent again."""
         if not len(block_hashes) == len(block_token_ids) == len(block_ids):
@@ -322,9 +346,11 @@ class GlobalKVPool:
             return 0
         try:
             present = self.backend.exists_many(keys)
-            items = {key: serialize_block(kv_cache[:, :, block_id], tuple(tokens))
-                     for key, tokens, block_id, there in zip(keys, block_token_ids, block_ids, present)
-                     if not there}
+            items = {
+                key: serialize_block(kv_cache[:, :, block_id], tuple(tokens))
+                for key, tokens, block_id, there in zip(keys, block_token_ids, block_ids, present)
+                if not there
+            }
             self.backend.put_many(items)
         except Exception as exc:
             self._store_failed(f"publish failed ({exc})")
@@ -332,8 +358,13 @@ class GlobalKVPool:
         self.num_published += len(items)
         return len(items)
 
-    def fetch(self, block_hashes: list[BlockHash], block_token_ids: list[tuple[int, ...]],
-              kv_cache: torch.Tensor, block_ids: list[int]) -> int:
+    def fetch(
+        self,
+        block_hashes: list[BlockHash],
+        block_token_ids: list[tuple[int, ...]],
+        kv_cache: torch.Tensor,
+        block_ids: list[int],
+    ) -> int:
         """Load the leading blocks of the chain into ``kv_cache[:, :, block_ids[i]]``.
 
         Returns how many blocks were loaded: all of them, or fewer when a block is missing or
@@ -389,8 +420,12 @@ class GlobalKVPool:
         end = min(block_manager.max_hit_blocks(seq), len(seq.block_table))
         hashes = block_manager.block_hashes(seq)[start:end]
         n = self._num_leading_present(hashes)
-        n = self.fetch(hashes[:n], [tuple(seq.block(i)) for i in range(start, start + n)],
-                       kv_cache, seq.block_table[start:start + n])
+        n = self.fetch(
+            hashes[:n],
+            [tuple(seq.block(i)) for i in range(start, start + n)],
+            kv_cache,
+            seq.block_table[start : start + n],
+        )
         seq.num_computed_tokens += n * self.block_size
         seq.num_cached_tokens += n * self.block_size
         block_manager.cache_full_blocks(seq)

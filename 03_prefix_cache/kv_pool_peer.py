@@ -38,10 +38,23 @@ class ToyKVModel:
     chain its parent.
     """
 
-    def __init__(self, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
-                 vocab_size: int = 512, seed: int = 0, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        head_dim: int = 16,
+        vocab_size: int = 512,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ):
         g = torch.Generator().manual_seed(seed)
-        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = num_layers, num_heads, num_kv_heads, head_dim
+        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = (
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
         self.dtype = dtype
         self.embed = torch.randn(2, num_layers, vocab_size, num_kv_heads, head_dim, generator=g)
         self.queries = torch.randn(num_layers, num_heads, head_dim, generator=g)
@@ -64,8 +77,14 @@ class MiniEngine:
             prompt in different physical blocks.
     """
 
-    def __init__(self, pool: GlobalKVPool | None = None, num_blocks: int = 64, block_size: int = 16,
-                 model: ToyKVModel | None = None, reserved_blocks: int = 0):
+    def __init__(
+        self,
+        pool: GlobalKVPool | None = None,
+        num_blocks: int = 64,
+        block_size: int = 16,
+        model: ToyKVModel | None = None,
+        reserved_blocks: int = 0,
+    ):
         self.pool = pool
         self.model = model or ToyKVModel()
         m = self.model
@@ -106,10 +125,19 @@ class MiniEngine:
         block_tables = torch.tensor([seq.block_table], dtype=torch.int32)
         context_lens = torch.tensor([seq.num_tokens], dtype=torch.int32)
         m = self.model
-        return torch.stack([paged_attention_decode(m.queries[layer][None].to(m.dtype), self.kv_cache[0, layer],
-                                                   self.kv_cache[1, layer], block_tables, context_lens,
-                                                   m.head_dim ** -0.5)[0]
-                            for layer in range(m.num_layers)])
+        return torch.stack(
+            [
+                paged_attention_decode(
+                    m.queries[layer][None].to(m.dtype),
+                    self.kv_cache[0, layer],
+                    self.kv_cache[1, layer],
+                    block_tables,
+                    context_lens,
+                    m.head_dim**-0.5,
+                )[0]
+                for layer in range(m.num_layers)
+            ]
+        )
 
     def gather_kv(self, seq: Sequence) -> torch.Tensor:
         """The prompt's K/V ``[2, layers, tokens, kv_heads, head_dim]`` read through its block table."""
@@ -133,19 +161,28 @@ def prompt_tokens(seed: int, length: int, vocab_size: int = 512) -> list[int]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--role", choices=["publish", "fetch"], required=True,
-                    help="publish: compute the prompt and publish its blocks; fetch: load them first")
+    ap.add_argument(
+        "--role",
+        choices=["publish", "fetch"],
+        required=True,
+        help="publish: compute the prompt and publish its blocks; fetch: load them first",
+    )
     ap.add_argument("--backend", choices=["mooncake", "embedded"], default="mooncake")
     ap.add_argument("--master", help="mooncake_master RPC address host:port")
     ap.add_argument("--metadata", help="Mooncake HTTP metadata URL http://host:port/metadata")
-    ap.add_argument("--segment-mb", type=int, default=32,
-                    help="memory this engine lends to the pool (0: store values in other segments)")
+    ap.add_argument(
+        "--segment-mb",
+        type=int,
+        default=32,
+        help="memory this engine lends to the pool (0: store values in other segments)",
+    )
     ap.add_argument("--prompt-seed", type=int, default=0)
     ap.add_argument("--prompt-len", type=int, default=70)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--reserved-blocks", type=int, default=0, help="shift this engine's physical block ids")
-    ap.add_argument("--hold", action="store_true",
-                    help="after the work, print READY and keep the store open until stdin closes")
+    ap.add_argument(
+        "--hold", action="store_true", help="after the work, print READY and keep the store open until stdin closes"
+    )
     ap.add_argument("--out", required=True, help="where to torch.save the report")
     args = ap.parse_args(argv)
 
@@ -160,10 +197,18 @@ def main(argv: list[str] | None = None) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         seq = engine.prefill(prompt_tokens(args.prompt_seed, args.prompt_len))
-    torch.save({"attention": engine.attention(seq), "kv": engine.gather_kv(seq).clone(),
-                "block_table": list(seq.block_table), "tokens_from_pool": engine.tokens_from_pool,
-                "tokens_computed": engine.tokens_computed, "published": pool.num_published,
-                "warnings": [str(w.message) for w in caught]}, args.out)
+    torch.save(
+        {
+            "attention": engine.attention(seq),
+            "kv": engine.gather_kv(seq).clone(),
+            "block_table": list(seq.block_table),
+            "tokens_from_pool": engine.tokens_from_pool,
+            "tokens_computed": engine.tokens_computed,
+            "published": pool.num_published,
+            "warnings": [str(w.message) for w in caught],
+        },
+        args.out,
+    )
     if args.hold:
         print("READY", flush=True)
         sys.stdin.read()

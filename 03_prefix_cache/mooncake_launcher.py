@@ -42,6 +42,7 @@ def find_mooncake_binary(name: str) -> str | None:
     """The real binary inside the ``mooncake`` package (the console script only execs it)."""
     try:
         import mooncake
+
         candidate = Path(mooncake.__file__).parent / name
         if candidate.is_file():
             return str(candidate)
@@ -69,8 +70,9 @@ class _Service:
 
     def _spawn(self, argv: list[str]) -> subprocess.Popen:
         env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", MC_LOG_LEVEL="ERROR")
-        self.proc = subprocess.Popen(argv, env=env, start_new_session=True,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            argv, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         return self.proc
 
     def stop(self) -> None:
@@ -124,9 +126,18 @@ class MooncakeMaster(_Service):
         if binary is None:
             raise RuntimeError(mooncake_unavailable_reason() or "mooncake_master not found")
         self.rpc_port, self.http_port, self.metrics_port = _free_port(), _free_port(), _free_port()
-        proc = self._spawn([binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
-                     "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                     f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}", *self.extra_args])
+        proc = self._spawn(
+            [
+                binary,
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={self.rpc_port}",
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={self.http_port}",
+                f"--metrics_port={self.metrics_port}",
+                *self.extra_args,
+            ]
+        )
         try:
             _wait_for_port(self.rpc_port, proc, "mooncake_master", timeout)
             _wait_for_port(self.http_port, proc, "mooncake_master's metadata server", timeout)
@@ -154,10 +165,17 @@ class MooncakeClient(_Service):
         if binary is None:
             raise RuntimeError("the mooncake_client binary was not found")
         self.port = _free_port()
-        proc = self._spawn([binary, "--host=127.0.0.1", f"--port={self.port}",
-                     f"--global_segment_size={self.segment_size}",
-                     f"--master_server_address={self.master.master_addr}",
-                     f"--metadata_server={self.master.metadata_url}", "--protocol=tcp"])
+        proc = self._spawn(
+            [
+                binary,
+                "--host=127.0.0.1",
+                f"--port={self.port}",
+                f"--global_segment_size={self.segment_size}",
+                f"--master_server_address={self.master.master_addr}",
+                f"--metadata_server={self.master.metadata_url}",
+                "--protocol=tcp",
+            ]
+        )
         try:
             _wait_for_port(self.port, proc, "mooncake_client", timeout)
         except BaseException:

@@ -59,11 +59,16 @@ class PrefixCachingBlockManager(BlockManager):
             raise ValueError(f"seq.block_size {seq.block_size} != block manager's {self.block_size}")
         hashes = seq.block_hashes
         if len(hashes) < seq.num_tokens // self.block_size:
-            hashes.extend(hash_block_chain(seq.token_ids, self.block_size,
-                                           parent_hash=hashes[-1] if hashes else None,
-                                           start_block=len(hashes),
-                                           lora_id=getattr(seq, "lora_id", None),
-                                           cache_salt=seq.cache_salt))
+            hashes.extend(
+                hash_block_chain(
+                    seq.token_ids,
+                    self.block_size,
+                    parent_hash=hashes[-1] if hashes else None,
+                    start_block=len(hashes),
+                    lora_id=getattr(seq, "lora_id", None),
+                    cache_salt=seq.cache_salt,
+                )
+            )
         return hashes
 
     def max_hit_blocks(self, seq: Sequence) -> int:
@@ -81,7 +86,7 @@ class PrefixCachingBlockManager(BlockManager):
         if seq.block_table:
             return []
         hits = []
-        for i, block_hash in enumerate(self.block_hashes(seq)[:self.max_hit_blocks(seq)]):
+        for i, block_hash in enumerate(self.block_hashes(seq)[: self.max_hit_blocks(seq)]):
             block_id = self.cached_block_hash_to_block.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != tuple(seq.block(i)):
                 break

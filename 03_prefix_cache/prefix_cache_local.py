@@ -41,8 +41,9 @@ def _encode_extra_keys(extra_keys) -> bytes:
         raise ValueError(f"extra_keys must be a tuple of str/int/float/None, got {extra_keys!r}") from exc
 
 
-def compute_block_hash(parent_hash: BlockHash | None, token_ids: SequenceABC[int],
-                       extra_keys: tuple | None = None) -> BlockHash:
+def compute_block_hash(
+    parent_hash: BlockHash | None, token_ids: SequenceABC[int], extra_keys: tuple | None = None
+) -> BlockHash:
     """Hash one full block: ``xxh3_128(parent_hash || n || token ids as int64 || extra keys)``.
 
     The parent hash chains the block to its whole prefix; ``None`` means "first block" and uses
@@ -57,8 +58,7 @@ def compute_block_hash(parent_hash: BlockHash | None, token_ids: SequenceABC[int
     return xxhash.xxh3_128_digest(payload)
 
 
-def block_extra_keys(block_index: int, lora_id: int | str | None = None,
-                     cache_salt: str | None = None) -> tuple | None:
+def block_extra_keys(block_index: int, lora_id: int | str | None = None, cache_salt: str | None = None) -> tuple | None:
     """Extra keys of block ``block_index``: the LoRA id on every block, the salt on block 0 only.
 
     The salt only needs to enter the first block: every later hash inherits it through the chain.
@@ -71,10 +71,14 @@ def block_extra_keys(block_index: int, lora_id: int | str | None = None,
     return tuple(keys) if keys else None
 
 
-def hash_block_chain(token_ids: SequenceABC[int], block_size: int = BLOCK_SIZE,
-                     parent_hash: BlockHash | None = None, start_block: int = 0,
-                     lora_id: int | str | None = None,
-                     cache_salt: str | None = None) -> list[BlockHash]:
+def hash_block_chain(
+    token_ids: SequenceABC[int],
+    block_size: int = BLOCK_SIZE,
+    parent_hash: BlockHash | None = None,
+    start_block: int = 0,
+    lora_id: int | str | None = None,
+    cache_salt: str | None = None,
+) -> list[BlockHash]:
     """Hashes of the full blocks of ``token_ids`` from logical block ``start_block`` on.
 
     ``parent_hash`` is the hash of block ``start_block - 1`` (``None`` when starting at 0), which
@@ -84,7 +88,7 @@ def hash_block_chain(token_ids: SequenceABC[int], block_size: int = BLOCK_SIZE,
         raise ValueError(f"block_size must be positive, got {block_size}")
     hashes = []
     for i in range(start_block, len(token_ids) // block_size):
-        block = token_ids[i * block_size:(i + 1) * block_size]
+        block = token_ids[i * block_size : (i + 1) * block_size]
         parent_hash = compute_block_hash(parent_hash, block, block_extra_keys(i, lora_id, cache_salt))
         hashes.append(parent_hash)
     return hashes
@@ -134,8 +138,9 @@ class PrefixCacheLocal:
         self.next_block_id += 1
         return bid
 
-    def compute_hash_chain(self, token_ids: list[int], extra_keys: tuple | None = None,
-                           cache_salt: str | None = None) -> list[tuple[BlockHash, tuple[int, ...]]]:
+    def compute_hash_chain(
+        self, token_ids: list[int], extra_keys: tuple | None = None, cache_salt: str | None = None
+    ) -> list[tuple[BlockHash, tuple[int, ...]]]:
         """``[(block_hash, block_tokens), ...]`` for every *full* block of ``token_ids``.
 
         ``extra_keys`` enter every block's hash; ``cache_salt`` only the first block's.
@@ -143,14 +148,15 @@ class PrefixCacheLocal:
         result = []
         parent = None
         for i in range(len(token_ids) // BLOCK_SIZE):
-            tokens = tuple(token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+            tokens = tuple(token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
             keys = tuple(extra_keys or ()) + ((cache_salt,) if cache_salt is not None and i == 0 else ())
             parent = compute_block_hash(parent, tokens, keys or None)
             result.append((parent, tokens))
         return result
 
-    def match_prefix(self, token_ids: list[int], extra_keys: tuple | None = None,
-                     cache_salt: str | None = None) -> tuple[list[CachedBlock], int]:
+    def match_prefix(
+        self, token_ids: list[int], extra_keys: tuple | None = None, cache_salt: str | None = None
+    ) -> tuple[list[CachedBlock], int]:
         """The cached blocks holding the longest prefix of ``token_ids``, and its token count.
 
         A lookup only: it refreshes the LRU position of the hits but takes no reference
@@ -183,8 +189,9 @@ class PrefixCacheLocal:
             if block.ref_cnt == 0:
                 self._active_blocks.pop(block.block_id, None)
 
-    def cache_computed_blocks(self, token_ids: list[int], extra_keys: tuple | None = None,
-                              cache_salt: str | None = None) -> list[CachedBlock]:
+    def cache_computed_blocks(
+        self, token_ids: list[int], extra_keys: tuple | None = None, cache_salt: str | None = None
+    ) -> list[CachedBlock]:
         """Register the full blocks of ``token_ids`` (called once their K/V is computed).
 
         Returns the cached blocks of the chain, reused or new. If the cache is full of blocks in

@@ -41,8 +41,14 @@ def test_serialize_roundtrip(dtype):
 def _corruptions(value: bytes):
     flipped = bytearray(value)
     flipped[-1] ^= 0xFF
-    return {"short": value[:-3], "tiny": value[:5], "magic": b"XXXX" + value[4:],
-            "payload": bytes(flipped), "header": value[:8] + b"}" + value[9:], "not-a-dict": value[:4] + b"\x02\0\0\0[]" + value[9:]}
+    return {
+        "short": value[:-3],
+        "tiny": value[:5],
+        "magic": b"XXXX" + value[4:],
+        "payload": bytes(flipped),
+        "header": value[:8] + b"}" + value[9:],
+        "not-a-dict": value[:4] + b"\x02\0\0\0[]" + value[9:],
+    }
 
 
 def test_deserialize_rejects_every_corruption():
@@ -83,7 +89,7 @@ def test_pool_only_shares_blocks_of_the_same_prefix():
     pool = GlobalKVPool(EmbeddedKVPool(), block_size=BS)
     MiniEngine(pool).prefill(PROMPT)
     b = MiniEngine(pool)
-    other = PROMPT[:BS] + [(t + 1) % 512 for t in PROMPT[BS:2 * BS]] + PROMPT[2 * BS:]
+    other = PROMPT[:BS] + [(t + 1) % 512 for t in PROMPT[BS : 2 * BS]] + PROMPT[2 * BS :]
     seq = b.prefill(other)
     assert b.tokens_from_pool == BS  # only the first block is the same prefix
     assert_correct(b, seq)
@@ -125,7 +131,7 @@ def test_fault_corrupt_value(kind):
     b = MiniEngine(pool, reserved_blocks=2)
     hashes = b.block_manager.block_hashes(Sequence(PROMPT, BS))
     # Plant a bad value for block 1 before anyone publishes the real one (first write wins).
-    good = serialize_block(torch.zeros(2, 2, BS, 2, 16), tuple(PROMPT[BS:2 * BS]))
+    good = serialize_block(torch.zeros(2, 2, BS, 2, 16), tuple(PROMPT[BS : 2 * BS]))
     backend.put_many({pool.block_key(hashes[1]): _corruptions(good)[kind]})
     MiniEngine(pool).prefill(PROMPT)
     with pytest.warns(RuntimeWarning, match="invalid"):
@@ -178,8 +184,7 @@ def test_fault_store_down():
     assert engine.tokens_from_pool == 0 and engine.tokens_computed == 70
     assert_correct(engine, seq)
     with pytest.warns(RuntimeWarning, match="fetch failed"):
-        assert pool.fetch(engine.block_manager.block_hashes(seq)[:1], [tuple(PROMPT[:BS])],
-                          engine.kv_cache, [0]) == 0
+        assert pool.fetch(engine.block_manager.block_hashes(seq)[:1], [tuple(PROMPT[:BS])], engine.kv_cache, [0]) == 0
 
 
 def test_a_down_store_is_asked_again_only_after_retry_after_s():

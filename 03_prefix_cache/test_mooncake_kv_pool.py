@@ -20,9 +20,10 @@ from kv_pool_peer import MiniEngine, prompt_tokens
 from mooncake_launcher import MooncakeClient, MooncakeMaster, mooncake_unavailable_reason
 from sequence import Sequence
 
-pytestmark = [pytest.mark.mooncake,
-              pytest.mark.skipif(mooncake_unavailable_reason() is not None,
-                                 reason=str(mooncake_unavailable_reason()))]
+pytestmark = [
+    pytest.mark.mooncake,
+    pytest.mark.skipif(mooncake_unavailable_reason() is not None, reason=str(mooncake_unavailable_reason())),
+]
 
 PEER = str(Path(__file__).with_name("kv_pool_peer.py"))
 BS = 16
@@ -38,8 +39,18 @@ def master():
 
 
 def peer_args(master, role, out, **flags):
-    argv = [sys.executable, PEER, "--role", role, "--master", master.master_addr,
-            "--metadata", master.metadata_url, "--out", str(out)]
+    argv = [
+        sys.executable,
+        PEER,
+        "--role",
+        role,
+        "--master",
+        master.master_addr,
+        "--metadata",
+        master.metadata_url,
+        "--out",
+        str(out),
+    ]
     for name, value in flags.items():
         argv += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
     return argv
@@ -55,9 +66,13 @@ class HeldPeer:
     """A publishing engine kept alive (its Mooncake segment with it) until ``stop()``."""
 
     def __init__(self, master, out, **flags):
-        self.proc = subprocess.Popen(peer_args(master, "publish", out, hold=True, **flags),
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(
+            peer_args(master, "publish", out, hold=True, **flags),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         line = []
         reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()))
         reader.start()
@@ -138,8 +153,9 @@ def test_mooncake_fault_key_evicted_between_query_and_fetch():
     """Mooncake leases a key that was just checked (10 s by default) precisely so that it is
     not evicted before the fetch; with a 100 ms lease the eviction can be forced."""
     with MooncakeMaster(["--default_kv_lease_ttl=100"]) as short_lease_master:
-        store = MooncakeKVPool(short_lease_master.master_addr, short_lease_master.metadata_url,
-                               global_segment_size=32 << 20)
+        store = MooncakeKVPool(
+            short_lease_master.master_addr, short_lease_master.metadata_url, global_segment_size=32 << 20
+        )
         try:
             _evicted_between_query_and_fetch(store)
         finally:
@@ -173,8 +189,8 @@ def test_mooncake_fault_bad_value(store, kind):
     pool = GlobalKVPool(store, namespace=NAMESPACE, block_size=BS)
     b = MiniEngine(pool, reserved_blocks=2)
     prompt, hashes = _prompt_and_hashes(b)
-    good = serialize_block(b.model.compute_kv(prompt)[:, :, 2 * BS:3 * BS], tuple(prompt[2 * BS:3 * BS]))
-    bad = good[:len(good) // 2] if kind == "short" else good[:-1] + bytes([good[-1] ^ 1])
+    good = serialize_block(b.model.compute_kv(prompt)[:, :, 2 * BS : 3 * BS], tuple(prompt[2 * BS : 3 * BS]))
+    bad = good[: len(good) // 2] if kind == "short" else good[:-1] + bytes([good[-1] ^ 1])
     store.put_many({pool.block_key(hashes[2]): bad})  # planted before the real block is published
     MiniEngine(pool).prefill(prompt)
     with pytest.warns(RuntimeWarning, match="invalid"):
@@ -204,5 +220,6 @@ def test_mooncake_fault_store_down(master):
 @pytest.mark.slow
 def test_setup_against_no_master_raises_pool_error():
     from global_kv_pool import KVPoolError, _free_port
+
     with pytest.raises(KVPoolError, match="setup failed"):
         MooncakeKVPool(f"127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}/metadata")

@@ -115,18 +115,24 @@ def test_lora_id_enters_every_block_hash():
 def test_hashes_are_stable_across_processes():
     import subprocess
     import sys
-    code = ("from prefix_cache_local import hash_block_chain;"
-            "print(hash_block_chain(list(range(9)), 4, cache_salt='s')[-1].hex())")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout.strip() for seed in ("1", "2")}
+
+    code = (
+        "from prefix_cache_local import hash_block_chain;"
+        "print(hash_block_chain(list(range(9)), 4, cache_salt='s')[-1].hex())"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONHASHSEED": seed, "PATH": ""}
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
     assert outs == {prefix_cache_local.hash_block_chain(list(range(9)), 4, cache_salt="s")[-1].hex()}
 
 
 def test_decode_hashes_each_block_once(monkeypatch):
     calls = []
     real = prefix_cache_local.compute_block_hash
-    monkeypatch.setattr(prefix_cache_local, "compute_block_hash",
-                        lambda p, t, e=None: calls.append(1) or real(p, t, e))
+    monkeypatch.setattr(prefix_cache_local, "compute_block_hash", lambda p, t, e=None: calls.append(1) or real(p, t, e))
     bm = PrefixCachingBlockManager(64, BS)
     seq = Sequence(list(range(6)), BS)
     run_prefill(bm, seq)
@@ -230,7 +236,7 @@ def test_randomized_shared_prefixes(seed):
     def compute(seq, n):
         start = seq.num_computed_tokens
         for pos, slot in zip(range(start, start + n), bm.slot_mapping(seq, start, start + n)):
-            fake_kv[slot] = tuple(seq.token_ids[:pos + 1])
+            fake_kv[slot] = tuple(seq.token_ids[: pos + 1])
         seq.num_computed_tokens += n
         bm.cache_full_blocks(seq)
 
@@ -245,7 +251,7 @@ def test_randomized_shared_prefixes(seed):
             for i, block_id in enumerate(hits):
                 assert bm.blocks[block_id].token_ids == tuple(seq.block(i))
                 for off in range(bs):
-                    assert fake_kv[block_id * bs + off] == tuple(seq.token_ids[:i * bs + off + 1])
+                    assert fake_kv[block_id * bs + off] == tuple(seq.token_ids[: i * bs + off + 1])
             assert len(hits) * bs < seq.num_tokens
             chunk = rng.randint(1, seq.num_tokens - len(hits) * bs)
             if bm.allocate_slots(seq, chunk, hits):
@@ -269,9 +275,9 @@ def test_randomized_shared_prefixes(seed):
                 waiting.append(seq)
         bm.check_invariants()
         for seq in live:
-            for i, block_id in enumerate(seq.block_table[:seq.num_computed_tokens // bs]):
+            for i, block_id in enumerate(seq.block_table[: seq.num_computed_tokens // bs]):
                 for off in range(bs):
-                    assert fake_kv[block_id * bs + off] == tuple(seq.token_ids[:i * bs + off + 1])
+                    assert fake_kv[block_id * bs + off] == tuple(seq.token_ids[: i * bs + off + 1])
     free_all_and_check(bm, *live)
     bm.check_invariants()
     assert 0 < bm.prefix_cache_hits <= bm.prefix_cache_queries

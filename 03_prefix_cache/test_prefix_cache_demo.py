@@ -11,8 +11,12 @@ HERE = Path(__file__).parent
 
 @pytest.mark.slow
 def test_demo_runs_and_reports_exact_kv():
-    out = subprocess.run([sys.executable, str(HERE / "demo.py"), "--requests", "8", "--system-len", "64"],
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, str(HERE / "demo.py"), "--requests", "8", "--system-len", "64"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "local hit" in out.stdout and "NO" not in out.stdout.split("K/V exact", 1)[1]
     assert "every block back in the free queue: True" in out.stdout

@@ -45,8 +45,13 @@ def make_workload(args) -> list[tuple[float, list[int], int]]:
 
 def simulate(sched_cls, args) -> dict:
     bm = BlockManager(args.num_blocks, args.block_size)
-    sched = sched_cls(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                      num_gpu_blocks=args.num_blocks, block_size=args.block_size, block_manager=bm)
+    sched = sched_cls(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_gpu_blocks=args.num_blocks,
+        block_size=args.block_size,
+        block_manager=bm,
+    )
     model = FakeModel(bm, args.vocab)
     pending = list(enumerate(make_workload(args)))
     reqs: dict[str, Request] = {}
@@ -57,8 +62,14 @@ def simulate(sched_cls, args) -> dict:
             clock = pending[0][1][0]  # idle until the next arrival
         while pending and pending[0][1][0] <= clock:
             i, (arrival, prompt, max_tokens) = pending.pop(0)
-            req = Request(f"r{i}", prompt, max_tokens=max_tokens, arrival_time=arrival,
-                          ignore_eos=True, block_size=args.block_size)
+            req = Request(
+                f"r{i}",
+                prompt,
+                max_tokens=max_tokens,
+                arrival_time=arrival,
+                ignore_eos=True,
+                block_size=args.block_size,
+            )
             reqs[req.request_id] = req
             token_times[req.request_id] = []
             sched.add_request(req)
@@ -72,10 +83,18 @@ def simulate(sched_cls, args) -> dict:
         sched.update_from_output(out, sampled)
     ttft = [token_times[r][0] - reqs[r].arrival_time for r in reqs]
     itl = [b - a for r in reqs for a, b in zip(token_times[r], token_times[r][1:])]
-    return dict(steps=steps, tok_per_step=tokens / steps, makespan=clock, ttft_mean=sum(ttft) / len(ttft),
-                ttft_p99=percentile(ttft, 99), itl_p50=percentile(itl, 50), itl_p99=percentile(itl, 99),
-                itl_max=max(itl, default=float("nan")), preemptions=sched.num_preemptions,
-                outputs={r: reqs[r].completion_token_ids for r in reqs})
+    return dict(
+        steps=steps,
+        tok_per_step=tokens / steps,
+        makespan=clock,
+        ttft_mean=sum(ttft) / len(ttft),
+        ttft_p99=percentile(ttft, 99),
+        itl_p50=percentile(itl, 50),
+        itl_p99=percentile(itl, 99),
+        itl_max=max(itl, default=float("nan")),
+        preemptions=sched.num_preemptions,
+        outputs={r: reqs[r].completion_token_ids for r in reqs},
+    )
 
 
 def main(argv=None) -> list[dict]:
@@ -96,20 +115,36 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    rows = [("two-phase (vLLM V1)", simulate(Scheduler, args)),
-            ("prefill-first (nano-vllm)", simulate(PrefillFirstScheduler, args))]
+    rows = [
+        ("two-phase (vLLM V1)", simulate(Scheduler, args)),
+        ("prefill-first (nano-vllm)", simulate(PrefillFirstScheduler, args)),
+    ]
     assert rows[0][1]["outputs"] == rows[1][1]["outputs"], "the policies produced different tokens"
-    print(f"{args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt}, outputs "
-          f"{args.min_out}-{args.max_out}, mean gap {args.mean_gap_ms} ms; step = "
-          f"{args.step_overhead_ms} ms + {args.per_token_ms} ms/token (simulated)")
-    head = ("policy", "steps", "tok/step", "makespan s", "TTFT mean ms", "TTFT p99 ms",
-            "ITL p50 ms", "ITL p99 ms", "ITL max ms", "preempt")
+    print(
+        f"{args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt}, outputs "
+        f"{args.min_out}-{args.max_out}, mean gap {args.mean_gap_ms} ms; step = "
+        f"{args.step_overhead_ms} ms + {args.per_token_ms} ms/token (simulated)"
+    )
+    head = (
+        "policy",
+        "steps",
+        "tok/step",
+        "makespan s",
+        "TTFT mean ms",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "ITL max ms",
+        "preempt",
+    )
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
     for name, r in rows:
-        print(f"| {name} | {r['steps']} | {r['tok_per_step']:.1f} | {r['makespan'] / 1000:.2f} | "
-              f"{r['ttft_mean']:.0f} | {r['ttft_p99']:.0f} | {r['itl_p50']:.1f} | {r['itl_p99']:.1f} | "
-              f"{r['itl_max']:.1f} | {r['preemptions']} |")
+        print(
+            f"| {name} | {r['steps']} | {r['tok_per_step']:.1f} | {r['makespan'] / 1000:.2f} | "
+            f"{r['ttft_mean']:.0f} | {r['ttft_p99']:.0f} | {r['itl_p50']:.1f} | {r['itl_p99']:.1f} | "
+            f"{r['itl_max']:.1f} | {r['preemptions']} |"
+        )
     return [dict(r, policy=name) for name, r in rows]
 
 

@@ -86,11 +86,22 @@ class Request(Sequence):
     preemption re-hits blocks it computed itself, which is no saving to report).
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: Iterable[int] | None = None,
-                 max_tokens: int | None = None, priority: int = 0, arrival_time: float | None = None,
-                 eos_token_id: int | Iterable[int] | None = None, ignore_eos: bool = False,
-                 stop_token_ids: Iterable[int] = (), block_size: int = 16, cache_salt: str | None = None,
-                 *, token_ids: Iterable[int] | None = None, max_new_tokens: int | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Iterable[int] | None = None,
+        max_tokens: int | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        eos_token_id: int | Iterable[int] | None = None,
+        ignore_eos: bool = False,
+        stop_token_ids: Iterable[int] = (),
+        block_size: int = 16,
+        cache_salt: str | None = None,
+        *,
+        token_ids: Iterable[int] | None = None,
+        max_new_tokens: int | None = None,
+    ):
         prompt_token_ids = _one_of("prompt_token_ids", prompt_token_ids, "token_ids", token_ids)
         max_tokens = _one_of("max_tokens", max_tokens, "max_new_tokens", max_new_tokens)
         max_tokens = 16 if max_tokens is None else max_tokens
@@ -103,8 +114,11 @@ class Request(Sequence):
         self.max_tokens = max_tokens
         self.priority = priority
         self.arrival_time = time.time() if arrival_time is None else arrival_time
-        eos = () if eos_token_id is None or ignore_eos else (
-            (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id))
+        eos = (
+            ()
+            if eos_token_id is None or ignore_eos
+            else ((eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id))
+        )
         self.stop_token_ids: frozenset[int] = frozenset(eos) | frozenset(stop_token_ids)
         self.ignore_eos = ignore_eos
         self.status = RequestStatus.WAITING
@@ -112,8 +126,10 @@ class Request(Sequence):
         self.num_preemptions = 0
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )
 
     @property
     def is_finished(self) -> bool:
@@ -310,9 +326,16 @@ class Scheduler:
 
     chunked_prefill = False
 
-    def __init__(self, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096, num_gpu_blocks: int = 1000,
-                 policy: str = "fcfs", block_size: int = 16, block_manager: BlockManager | None = None,
-                 kv_connector: KVConnector | None = None):
+    def __init__(
+        self,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 4096,
+        num_gpu_blocks: int = 1000,
+        policy: str = "fcfs",
+        block_size: int = 16,
+        block_manager: BlockManager | None = None,
+        kv_connector: KVConnector | None = None,
+    ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -322,8 +345,7 @@ class Scheduler:
         if block_manager is None:
             block_manager = BlockManager(num_gpu_blocks, block_size)
         elif block_manager.block_size != block_size:
-            raise ValueError(f"block_size={block_size} differs from the block manager's "
-                             f"{block_manager.block_size}")
+            raise ValueError(f"block_size={block_size} differs from the block manager's {block_manager.block_size}")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
@@ -349,8 +371,7 @@ class Scheduler:
         if request.status != RequestStatus.WAITING or request.num_computed_tokens or request.block_table:
             raise ValueError(f"request {request.request_id!r} is not a fresh request")
         if request.block_size != self.block_size:
-            raise ValueError(f"request block_size={request.block_size} differs from the "
-                             f"scheduler's {self.block_size}")
+            raise ValueError(f"request block_size={request.block_size} differs from the scheduler's {self.block_size}")
         self.check_schedulable(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -367,13 +388,15 @@ class Scheduler:
         if request.num_prompt_tokens > self.max_num_batched_tokens:
             raise ValueError(
                 f"prompt of {request.num_prompt_tokens} tokens exceeds max_num_batched_tokens="
-                f"{self.max_num_batched_tokens}; enable chunked prefill (chapter 06) or raise it")
+                f"{self.max_num_batched_tokens}; enable chunked prefill (chapter 06) or raise it"
+            )
         if request.max_num_kv_tokens > self.max_num_batched_tokens:
             raise ValueError(
                 f"prompt ({request.num_prompt_tokens}) + max_tokens ({request.max_tokens}) - 1 "
                 f"exceeds max_num_batched_tokens={self.max_num_batched_tokens}: after a "
                 "preemption it could not be recomputed in one step; lower max_tokens, raise the "
-                "budget, or enable chunked prefill (chapter 06)")
+                "budget, or enable chunked prefill (chapter 06)"
+            )
 
     def _check_fits_in_cache(self, request: Request) -> None:
         # A request that alone does not fit in the cache would, once it ran out of blocks,
@@ -382,7 +405,8 @@ class Scheduler:
         if blocks > self.block_manager.num_blocks:
             raise ValueError(
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
-                f"needs {blocks} KV blocks but the cache has {self.block_manager.num_blocks}")
+                f"needs {blocks} KV blocks but the cache has {self.block_manager.num_blocks}"
+            )
 
     def has_requests(self) -> bool:
         return bool(self.waiting) or bool(self.running) or bool(self.loading)
@@ -438,8 +462,7 @@ class Scheduler:
         return out
 
     def _new_output(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_request_ids=self.finished_req_ids,
-                              token_budget=self.max_num_batched_tokens)
+        out = SchedulerOutput(finished_request_ids=self.finished_req_ids, token_budget=self.max_num_batched_tokens)
         self.finished_req_ids = set()
         return out
 
@@ -594,8 +617,7 @@ class Scheduler:
         self.waiting.add_preempted(req)
 
     # ------------------------------------------------------------------ after the forward
-    def update_from_output(self, output: SchedulerOutput,
-                           sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[Request]:
         """Fold one forward's results back in; returns the requests that finished in it.
 
         ``sampled_token_ids[rid]`` lists the tokens a sampling request produced: its accepted
@@ -613,8 +635,9 @@ class Scheduler:
                 sampled = sampled_token_ids.get(rid) or []
                 num_spec = len(output.scheduled_spec_decode_tokens.get(rid, ()))
                 if not 1 <= len(sampled) <= num_spec + 1:
-                    raise ValueError(f"sampled_token_ids[{rid!r}] must hold 1 to {num_spec + 1} "
-                                     f"tokens, got {sampled!r}")
+                    raise ValueError(
+                        f"sampled_token_ids[{rid!r}] must hold 1 to {num_spec + 1} tokens, got {sampled!r}"
+                    )
                 num_computed -= num_spec - (len(sampled) - 1)  # rejected drafts are recomputed
                 self.num_draft_tokens += num_spec
                 self.num_accepted_tokens += len(sampled) - 1

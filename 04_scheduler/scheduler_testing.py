@@ -61,14 +61,16 @@ class FakeModel:
             assert len(tokens) == out.num_scheduled_tokens[rid]
             slots = self.bm.slot_mapping(req, 0, start + len(tokens))
             for p in range(start):  # attention reads the cached prefix: it must be this request's
-                assert self.kv[slots[p]] == (req.token_ids[p], p), \
+                assert self.kv[slots[p]] == (req.token_ids[p], p), (
                     f"{rid}: slot {slots[p]} (position {p}) holds {self.kv[slots[p]]}, not {req.token_ids[p]}"
+                )
             for i, t in enumerate(tokens):
                 self.kv[slots[start + i]] = (t, start + i)
             self.num_forward_tokens += len(tokens)
             if out.produces_token(req):
-                sampled[rid] = self._verify(req.token_ids[:start] + tokens,
-                                            out.scheduled_spec_decode_tokens.get(rid, []))
+                sampled[rid] = self._verify(
+                    req.token_ids[:start] + tokens, out.scheduled_spec_decode_tokens.get(rid, [])
+                )
         return sampled
 
     def _verify(self, fed: list[int], drafts: list[int]) -> list[int]:
@@ -143,8 +145,9 @@ class WorkloadResult:
     params: dict = field(default_factory=dict)
 
 
-def check_output(sched: Scheduler, out: SchedulerOutput, running_before: set[str],
-                 threshold: int | None = None) -> None:
+def check_output(
+    sched: Scheduler, out: SchedulerOutput, running_before: set[str], threshold: int | None = None
+) -> None:
     """Step-level properties every scheduler must keep (``running_before``: ids before the step)."""
     ids = [r.request_id for r in out.scheduled_requests]
     assert len(ids) == len(set(ids)), f"a request scheduled twice: {ids}"
@@ -157,8 +160,9 @@ def check_output(sched: Scheduler, out: SchedulerOutput, running_before: set[str
         # A step that only starts loads from a pool makes progress too: they run next step.
         assert out.scheduled_requests or sched.loading, "no progress: requests are waiting but nothing was scheduled"
     if out.preempted_requests:
-        assert all(r.request_id in running_before for r in out.scheduled_requests), \
+        assert all(r.request_id in running_before for r in out.scheduled_requests), (
             "a waiting request was admitted in a step that preempted"
+        )
     for req in out.scheduled_requests:
         n = out.num_scheduled_tokens[req.request_id]
         start = out.num_computed_tokens[req.request_id]
@@ -173,10 +177,18 @@ def check_output(sched: Scheduler, out: SchedulerOutput, running_before: set[str
             assert n - num_spec <= threshold, "a prefill chunk exceeds long_prefill_token_threshold"
 
 
-def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, prefix_caching: bool = False,
-                        chunked: bool = False, policy: str | None = None, spec: bool = True,
-                        max_steps: int = 5000, model_cls: type[FakeModel] = FakeModel,
-                        remote: bool = False) -> WorkloadResult:
+def run_random_workload(
+    make_scheduler: Callable[..., Scheduler],
+    seed: int,
+    *,
+    prefix_caching: bool = False,
+    chunked: bool = False,
+    policy: str | None = None,
+    spec: bool = True,
+    max_steps: int = 5000,
+    model_cls: type[FakeModel] = FakeModel,
+    remote: bool = False,
+) -> WorkloadResult:
     """Drive one random workload to the end, asserting invariants after every step.
 
     ``make_scheduler(max_num_seqs=, max_num_batched_tokens=, num_gpu_blocks=, policy=,
@@ -203,11 +215,18 @@ def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, 
     policy = policy or rng.choice(["fcfs", "priority"])
     if prefix_caching:
         from prefix_block_manager import PrefixCachingBlockManager
+
         bm: BlockManager = PrefixCachingBlockManager(num_blocks, bs)
     else:
         bm = BlockManager(num_blocks, bs)
-    kwargs = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, num_gpu_blocks=num_blocks,
-                  policy=policy, block_size=bs, block_manager=bm)
+    kwargs = dict(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        num_gpu_blocks=num_blocks,
+        policy=policy,
+        block_size=bs,
+        block_manager=bm,
+    )
     if threshold is not None:
         kwargs["long_prefill_token_threshold"] = threshold
     connector = FakeConnector(rng, bs, rng.choice([0.3, 0.8])) if remote else None
@@ -215,8 +234,11 @@ def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, 
         kwargs["kv_connector"] = connector
     sched = make_scheduler(**kwargs)
     model = model_cls(bm, vocab)
-    res = WorkloadResult(seed, num_requests=num_requests,
-                         params=dict(kwargs, block_manager=type(bm).__name__, vocab=vocab, kv_connector=remote))
+    res = WorkloadResult(
+        seed,
+        num_requests=num_requests,
+        params=dict(kwargs, block_manager=type(bm).__name__, vocab=vocab, kv_connector=remote),
+    )
 
     bases = [[rng.randrange(1, vocab) for _ in range(max_prompt)] for _ in range(2)]
     arrivals: dict[int, list[Request]] = {}
@@ -224,9 +246,16 @@ def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, 
         plen = rng.randint(1, max_prompt)
         shared = rng.randint(0, plen) if rng.random() < 0.6 else 0
         prompt = rng.choice(bases)[:shared] + [rng.randrange(1, vocab) for _ in range(plen - shared)]
-        req = Request(f"r{i}", prompt, max_tokens=rng.randint(1, max_out), priority=rng.randint(0, 2),
-                      arrival_time=float(rng.randint(0, 5)), eos_token_id=EOS,
-                      ignore_eos=rng.random() < 0.3, block_size=bs)
+        req = Request(
+            f"r{i}",
+            prompt,
+            max_tokens=rng.randint(1, max_out),
+            priority=rng.randint(0, 2),
+            arrival_time=float(rng.randint(0, 5)),
+            eos_token_id=EOS,
+            ignore_eos=rng.random() < 0.3,
+            block_size=bs,
+        )
         arrivals.setdefault(rng.randint(0, 25), []).append(req)
     all_reqs = [r for rs in arrivals.values() for r in rs]
     p_abort = rng.choice([0.0, 0.02, 0.1])
@@ -268,8 +297,9 @@ def run_random_workload(make_scheduler: Callable[..., Scheduler], seed: int, *, 
             continue
         res.num_finished += 1
         expected = true_completion(req.prompt_token_ids, req.max_tokens, vocab, req.ignore_eos)
-        assert req.completion_token_ids == expected, \
+        assert req.completion_token_ids == expected, (
             f"seed {seed}: {req.request_id} produced {req.completion_token_ids}, expected {expected}"
+        )
         stopped_on_eos = expected[-1] == EOS and not req.ignore_eos
         assert req.status == (RequestStatus.FINISHED_STOPPED if stopped_on_eos else RequestStatus.FINISHED_LENGTH)
     return res

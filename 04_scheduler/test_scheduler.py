@@ -46,7 +46,13 @@ def test_the_readme_listing_spelling_runs():
     """The chapter's listing writes requests and reads them with these names: same object."""
     sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks=100, policy="priority")
     r = Request(request_id="r0", token_ids=[5, 6, 7], max_new_tokens=2, priority=0)
-    assert (r.max_tokens, r.prompt_token_ids, r.seq_len, r.remaining_tokens, r.num_blocks_needed) == (2, [5, 6, 7], 3, 3, 1)
+    assert (r.max_tokens, r.prompt_token_ids, r.seq_len, r.remaining_tokens, r.num_blocks_needed) == (
+        2,
+        [5, 6, 7],
+        3,
+        3,
+        1,
+    )
     sched.add_request(r)
     out = sched.schedule()
     assert out.total_tokens == 3 and out.scheduled_requests == [r] and out.preempted_requests == []
@@ -60,13 +66,19 @@ def test_the_readme_listing_spelling_runs():
         Request("x", [1], max_tokens=2, max_new_tokens=2)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(max_num_seqs=0), "max_num_seqs"), (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
-    (dict(policy="lifo"), "policy"), (dict(block_size=8), "block_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+        (dict(policy="lifo"), "policy"),
+        (dict(block_size=8), "block_size"),
+    ],
+)
 def test_scheduler_rejects_bad_arguments(kwargs, name):
-    args = dict(max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks=8, block_size=BS,
-                block_manager=BlockManager(8, BS))
+    args = dict(
+        max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks=8, block_size=BS, block_manager=BlockManager(8, BS)
+    )
     args.update(kwargs)
     with pytest.raises(ValueError, match=name):
         Scheduler(**args)

@@ -19,8 +19,7 @@ SEEDS = range(500)
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["paged", "prefix_cache"])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_random_workloads_two_phase(policy, prefix_caching):
-    results = [run_random_workload(Scheduler, seed, policy=policy, prefix_caching=prefix_caching)
-               for seed in SEEDS]
+    results = [run_random_workload(Scheduler, seed, policy=policy, prefix_caching=prefix_caching) for seed in SEEDS]
     assert sum(r.num_steps for r in results) > 4000
     assert sum(r.num_preemptions for r in results) > 50
     assert sum(r.num_aborted for r in results) > 10
@@ -30,8 +29,7 @@ def test_random_workloads_two_phase(policy, prefix_caching):
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["paged", "prefix_cache"])
 def test_random_workloads_prefill_first(prefix_caching):
-    results = [run_random_workload(PrefillFirstScheduler, seed, prefix_caching=prefix_caching)
-               for seed in SEEDS]
+    results = [run_random_workload(PrefillFirstScheduler, seed, prefix_caching=prefix_caching) for seed in SEEDS]
     assert sum(r.num_steps for r in results) > 4000
     assert sum(r.num_preemptions for r in results) > 50
 
@@ -62,8 +60,7 @@ def test_the_driver_catches_the_seed_livelock():
 def test_random_workloads_loading_from_a_global_pool(policy):
     """Admissions that park in WAITING_FOR_REMOTE_KVS, loads that deliver only part of what was
     promised, aborts while loading: every request still ends with its true tokens, no block lost."""
-    results = [run_random_workload(Scheduler, seed, policy=policy, prefix_caching=True, remote=True)
-               for seed in SEEDS]
+    results = [run_random_workload(Scheduler, seed, policy=policy, prefix_caching=True, remote=True) for seed in SEEDS]
     assert sum(r.num_remote_tokens for r in results) > 1000
     assert sum(r.num_aborted for r in results) > 10
     assert sum(r.num_preemptions for r in results) > 50

@@ -45,9 +45,11 @@ def toy_sampler(num_rows: int, seed: int) -> None:
         fmt = " ".join(f"{x:.3f}" for x in p[j].tolist())
         print(f"   {j}    {fmt}   {' '.join(f'{x:.3f}' for x in hist.tolist())}   {tv:.4f}")
     measured = (num_accepted_tokens(out) >= 1).float().mean().item()
-    print(f"   acceptance at position 0: measured {measured:.4f}, "
-          f"sum(min(p, q)) = {torch.minimum(p[0], q[0]).sum().item():.4f}; "
-          f"exact-match verification would accept sum(p*q) = {(p[0] * q[0]).sum().item():.4f}")
+    print(
+        f"   acceptance at position 0: measured {measured:.4f}, "
+        f"sum(min(p, q)) = {torch.minimum(p[0], q[0]).sum().item():.4f}; "
+        f"exact-match verification would accept sum(p*q) = {(p[0] * q[0]).sum().item():.4f}"
+    )
     small = slice(0, 8)
     noise = sample_rejection_noise(8, K, V, generator=g)
     a = rejection_sample(draft[small], q.expand(8, K, V), p.expand(8, K + 1, V), noise=noise)
@@ -59,9 +61,11 @@ def toy_sampler(num_rows: int, seed: int) -> None:
 def compare(name: str, target, proposer, prompt, max_new: int, k: int, baseline) -> None:
     tokens, stats, secs = timed_generate(target, proposer, prompt, max_new, k)
     base_tokens, base_secs = baseline
-    print(f"   {name:<22} k={k}  acceptance {stats.acceptance_rate:5.1%}  "
-          f"tokens/forward {stats.tokens_per_step:4.2f}  {secs:5.2f} s  "
-          f"speed-up {base_secs / secs:4.2f}x  same output: {tokens == base_tokens}")
+    print(
+        f"   {name:<22} k={k}  acceptance {stats.acceptance_rate:5.1%}  "
+        f"tokens/forward {stats.tokens_per_step:4.2f}  {secs:5.2f} s  "
+        f"speed-up {base_secs / secs:4.2f}x  same output: {tokens == base_tokens}"
+    )
 
 
 def real_models(max_new: int, k: int, draft_layers: int, draft_tokens: int) -> None:
@@ -76,26 +80,33 @@ def real_models(max_new: int, k: int, draft_layers: int, draft_tokens: int) -> N
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     target = HFCausalLM(model_dir)
     prompt = chat_prompt_ids(tokenizer, WORKLOADS["copy"])
-    print(f"\n2) SmolLM2-135M float32 target, greedy, {len(prompt)}-token prompt that asks for "
-          f"a copy, {max_new} new tokens")
-    speculative_generate(target, None, prompt, 4)          # warm-up
+    print(
+        f"\n2) SmolLM2-135M float32 target, greedy, {len(prompt)}-token prompt that asks for "
+        f"a copy, {max_new} new tokens"
+    )
+    speculative_generate(target, None, prompt, 4)  # warm-up
     base_tokens, _, base_secs = timed_generate(target, None, prompt, max_new, 0)
     baseline = (base_tokens, base_secs)
-    print(f"   plain greedy            1 token/forward  {baseline[1]:5.2f} s   "
-          f"text: {tokenizer.decode(base_tokens[:24])!r}...")
+    print(
+        f"   plain greedy            1 token/forward  {baseline[1]:5.2f} s   "
+        f"text: {tokenizer.decode(base_tokens[:24])!r}..."
+    )
     compare("n-gram (1..4)", target, NgramProposer(1, 4), prompt, max_new, k, baseline)
 
-    draft_dir = make_truncated_draft(model_dir, draft_layers,
-                                     f"{model_dir}-first{draft_layers}layers")
-    print(f"\n3) draft model = first {draft_layers} of 30 layers of the same model "
-          f"({os.path.basename(draft_dir)}), {draft_tokens} new tokens")
+    draft_dir = make_truncated_draft(model_dir, draft_layers, f"{model_dir}-first{draft_layers}layers")
+    print(
+        f"\n3) draft model = first {draft_layers} of 30 layers of the same model "
+        f"({os.path.basename(draft_dir)}), {draft_tokens} new tokens"
+    )
     # A shorter run keeps the demo quick: the draft mostly adds cost (see README).
-    base_short = (baseline[0][:draft_tokens],
-                  timed_generate(target, None, prompt, draft_tokens, 0)[2])
-    compare(f"draft ({draft_layers} layers)", target, DraftModelProposer(draft_dir), prompt,
-            draft_tokens, 2, base_short)
-    print("   an early exit of a 30-layer model rarely agrees with the full model: the draft\n"
-          "   costs forwards and buys almost no accepted tokens, so here it does not pay.")
+    base_short = (baseline[0][:draft_tokens], timed_generate(target, None, prompt, draft_tokens, 0)[2])
+    compare(
+        f"draft ({draft_layers} layers)", target, DraftModelProposer(draft_dir), prompt, draft_tokens, 2, base_short
+    )
+    print(
+        "   an early exit of a 30-layer model rarely agrees with the full model: the draft\n"
+        "   costs forwards and buys almost no accepted tokens, so here it does not pay."
+    )
 
 
 def trace(path: str) -> None:
@@ -103,22 +114,29 @@ def trace(path: str) -> None:
     it has to copy: each verify step shows how many drafts the target accepted."""
     from vllm_from_scratch.viz import Arrival, demo_trace
 
-    demo_trace(path, [Arrival(WORKLOADS["copy"], 48)], num_kvcache_blocks=32, max_model_len=512,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    demo_trace(
+        path,
+        [Arrival(WORKLOADS["copy"], 48)],
+        num_kvcache_blocks=32,
+        max_model_len=512,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=200_000, help="toy speculative steps")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--k", type=int, default=4, help="n-gram drafts per step")
     parser.add_argument("--draft-layers", type=int, default=4)
-    parser.add_argument("--draft-tokens", type=int, default=8,
-                        help="new tokens for the draft-model part")
+    parser.add_argument("--draft-tokens", type=int, default=8, help="new tokens for the draft-model part")
     parser.add_argument("--toy-only", action="store_true", help="skip the real-model parts")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--trace", metavar="PATH", help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)")
+    parser.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)",
+    )
     args = parser.parse_args()
     if args.trace:
         trace(args.trace)

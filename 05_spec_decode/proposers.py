@@ -57,11 +57,11 @@ class NgramProposer:
         L = ids.size
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
             # Candidate starts i end before the suffix itself starts, so a token follows each.
-            windows = np.lib.stride_tricks.sliding_window_view(ids[:L - 1], n)
-            hits = np.flatnonzero((windows == ids[L - n:]).all(axis=1))
+            windows = np.lib.stride_tricks.sliding_window_view(ids[: L - 1], n)
+            hits = np.flatnonzero((windows == ids[L - n :]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return ids[start:start + k].tolist()
+                return ids[start : start + k].tolist()
         return []
 
     def propose(self, token_ids_list: Sequence[Sequence[int]], k: int) -> list[list[int]]:
@@ -88,8 +88,7 @@ class BatchedLogitsModel(Protocol):
 
     vocab_size: int
 
-    def get_logits_batch(self, token_ids_list: Sequence[Sequence[int]],
-                         keys: Sequence[Hashable]) -> torch.Tensor:
+    def get_logits_batch(self, token_ids_list: Sequence[Sequence[int]], keys: Sequence[Hashable]) -> torch.Tensor:
         """``[B, V]`` float32 logits predicting the token after each context's last position."""
 
     def release(self, keys: Sequence[Hashable]) -> None:
@@ -109,6 +108,7 @@ class HFCausalLM:
     def __init__(self, model, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
         if isinstance(model, (str, Path)):
             from transformers import AutoModelForCausalLM
+
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
         self.model = model.to(device).eval()
         self.device = torch.device(device)
@@ -138,15 +138,13 @@ class HFCausalLM:
         else:
             cache.crop(start - cache.get_seq_length())
         inp = torch.tensor([ids[start:]], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=inp, past_key_values=cache, use_cache=True,
-                         logits_to_keep=num_logits)
+        out = self.model(input_ids=inp, past_key_values=cache, use_cache=True, logits_to_keep=num_logits)
         self._caches[slot] = (out.past_key_values, ids)
         self.num_forwards += 1
         self.num_tokens_computed += len(ids) - start
         return out.logits[0, -num_logits:].float()
 
-    def get_logits_batch(self, token_ids_list: Sequence[Sequence[int]],
-                         keys: Sequence[Hashable]) -> torch.Tensor:
+    def get_logits_batch(self, token_ids_list: Sequence[Sequence[int]], keys: Sequence[Hashable]) -> torch.Tensor:
         """The :class:`BatchedLogitsModel` call, one forward per row: each row has its own cache
         length, which a dense transformers cache cannot batch without padding."""
         return torch.stack([self.get_logits(ids, 1, slot=key)[0] for ids, key in zip(token_ids_list, keys)])
@@ -164,8 +162,14 @@ class DraftModelProposer:
         generator: torch generator for sampled drafts.
     """
 
-    def __init__(self, model, temperature: float = 0.0, generator: torch.Generator | None = None,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.lm = model if hasattr(model, "get_logits_batch") else HFCausalLM(model, device, dtype)
@@ -180,8 +184,9 @@ class DraftModelProposer:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def propose(self, token_ids_list: Sequence[Sequence[int]], k: int,
-                keys: Sequence[Hashable] | None = None) -> tuple[list[list[int]], torch.Tensor | None]:
+    def propose(
+        self, token_ids_list: Sequence[Sequence[int]], k: int, keys: Sequence[Hashable] | None = None
+    ) -> tuple[list[list[int]], torch.Tensor | None]:
         """``(drafts, draft_probs)``: k tokens per request and the ``[B, k, V]`` q they came from
         (None for greedy drafts).
 
@@ -217,8 +222,11 @@ class DraftModelProposer:
             return drafts, torch.empty(len(contexts), k, self.vocab_size)
         return drafts, torch.stack(probs, dim=1)
 
-    def propose_tensors(self, token_ids_list: Sequence[Sequence[int]], k: int,
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose_tensors(
+        self,
+        token_ids_list: Sequence[Sequence[int]],
+        k: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Like :meth:`propose` but drafts as a ``[B, k]`` long tensor, ready for the samplers."""
         drafts, probs = self.propose(token_ids_list, k)
         return pad_draft_token_ids(drafts, k), probs
@@ -246,12 +254,16 @@ def make_truncated_draft(model_dir: str | Path, num_layers: int, out_dir: str | 
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:num_layers]
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), config=config,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), config=config, dtype=torch.float32)
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "special_tokens_map.json", "generation_config.json"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "special_tokens_map.json",
+        "generation_config.json",
+    ):
         if (Path(model_dir) / name).exists():
             shutil.copy(Path(model_dir) / name, tmp / name)
     if out.exists():

@@ -18,13 +18,13 @@ from triton_setup import tl, triton  # before any other triton import
 
 @triton.jit
 def _rejection_sample_kernel(
-    out_ptr,            # [B, K+1] int64, pre-filled with -1
-    draft_ids_ptr,      # [B, K] int64, -1 padded
-    draft_probs_ptr,    # [B, K, V] float32
-    target_probs_ptr,   # [B, K+1, V] float32
-    num_draft_ptr,      # [B] int64: real drafts per request
-    uniform_ptr,        # [B, K] float32
-    expo_ptr,           # [B, V] float32
+    out_ptr,  # [B, K+1] int64, pre-filled with -1
+    draft_ids_ptr,  # [B, K] int64, -1 padded
+    draft_probs_ptr,  # [B, K, V] float32
+    target_probs_ptr,  # [B, K+1, V] float32
+    num_draft_ptr,  # [B] int64: real drafts per request
+    uniform_ptr,  # [B, K] float32
+    expo_ptr,  # [B, V] float32
     V,
     K: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -82,10 +82,15 @@ def _rejection_sample_kernel(
     tl.store(out_ptr + b * (K + 1) + num_acc, token)
 
 
-def rejection_sample_triton(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-                            target_probs: torch.Tensor, generator: torch.Generator | None = None,
-                            *, noise: RejectionNoise | None = None,
-                            block_v: int = 1024) -> torch.Tensor:
+def rejection_sample_triton(
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    noise: RejectionNoise | None = None,
+    block_v: int = 1024,
+) -> torch.Tensor:
     """Triton twin of :func:`spec_decode.rejection_sample` (same arguments, same result).
 
     ``block_v`` is the vocabulary chunk a program streams at a time (a power of two).
@@ -104,9 +109,15 @@ def rejection_sample_triton(draft_token_ids: torch.Tensor, draft_probs: torch.Te
     # A [B, 0, V] tensor has no storage to point at; give the kernel one row it never reads.
     q = draft_probs.float().contiguous() if K else torch.zeros(B, 1, V, device=device)
     _rejection_sample_kernel[(B,)](
-        out, draft_token_ids.contiguous(), q, target_probs.float().contiguous(),
-        num_draft.long().contiguous(), noise.uniform.float().contiguous(),
-        noise.exponential.float().contiguous(), V,
-        K=K, BLOCK_V=min(block_v, triton.next_power_of_2(V)),
+        out,
+        draft_token_ids.contiguous(),
+        q,
+        target_probs.float().contiguous(),
+        num_draft.long().contiguous(),
+        noise.uniform.float().contiguous(),
+        noise.exponential.float().contiguous(),
+        V,
+        K=K,
+        BLOCK_V=min(block_v, triton.next_power_of_2(V)),
     )
     return out

@@ -38,6 +38,7 @@ PROB_SUM_ATOL = 1e-3
 # Probabilities and validation
 # ─────────────────────────────────────────────────────────────────────────────────────────────
 
+
 def probs_from_logits(logits: torch.Tensor, temperature: float = 0.0) -> torch.Tensor:
     """Next-token distributions from logits: softmax(logits / T), or one-hot argmax when T == 0.
 
@@ -64,14 +65,13 @@ def one_hot_draft_probs(draft_token_ids: torch.Tensor, vocab_size: int) -> torch
     return probs
 
 
-def pad_draft_token_ids(drafts: Sequence[Sequence[int]], k: int,
-                        device: torch.device | str = "cpu") -> torch.Tensor:
+def pad_draft_token_ids(drafts: Sequence[Sequence[int]], k: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Ragged per-request drafts (each at most ``k`` long) as a ``[B, k]`` tensor padded with -1."""
     out = torch.full((len(drafts), k), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
     for i, d in enumerate(drafts):
         if len(d) > k:
             raise ValueError(f"drafts[{i}] has {len(d)} tokens, more than k={k}")
-        out[i, :len(d)] = torch.tensor(list(d), dtype=torch.long)
+        out[i, : len(d)] = torch.tensor(list(d), dtype=torch.long)
     return out.to(device)
 
 
@@ -88,28 +88,28 @@ def _check_distribution(name: str, probs: torch.Tensor, rows: torch.Tensor) -> N
         raise ValueError(f"{name} rows must sum to one (worst row is off by {worst:.3g})")
 
 
-def validate_rejection_inputs(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-                              target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def validate_rejection_inputs(
+    draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Check shapes, token ids and distributions; return ``(num_draft_tokens [B], draft_probs)``.
 
     ``-1`` in ``draft_token_ids`` pads a request that has fewer than K drafts; it may only
     follow real drafts. ``draft_probs=None`` means deterministic drafts (one-hot q).
     """
     if draft_token_ids.dim() != 2 or draft_token_ids.dtype != torch.long:
-        raise ValueError(f"draft_token_ids must be a [B, K] long tensor, got "
-                         f"{tuple(draft_token_ids.shape)} {draft_token_ids.dtype}")
+        raise ValueError(
+            f"draft_token_ids must be a [B, K] long tensor, got {tuple(draft_token_ids.shape)} {draft_token_ids.dtype}"
+        )
     B, K = draft_token_ids.shape
     if target_probs.dim() != 3 or target_probs.shape[:2] != (B, K + 1):
-        raise ValueError(f"target_probs must be [B, K+1, V] = [{B}, {K + 1}, V], got "
-                         f"{tuple(target_probs.shape)}")
+        raise ValueError(f"target_probs must be [B, K+1, V] = [{B}, {K + 1}, V], got {tuple(target_probs.shape)}")
     V = target_probs.shape[2]
     if V == 0:
         raise ValueError("target_probs must have a non-empty vocabulary dimension")
     if draft_probs is None:
         draft_probs = one_hot_draft_probs(draft_token_ids, V)
     elif draft_probs.shape != (B, K, V):
-        raise ValueError(f"draft_probs must be [B, K, V] = [{B}, {K}, {V}], got "
-                         f"{tuple(draft_probs.shape)}")
+        raise ValueError(f"draft_probs must be [B, K, V] = [{B}, {K}, {V}], got {tuple(draft_probs.shape)}")
     valid = draft_token_ids >= 0
     if (draft_token_ids < PLACEHOLDER_TOKEN_ID).any() or (draft_token_ids >= V).any():
         raise ValueError(f"draft_token_ids must lie in [0, {V}) or be -1 (padding)")
@@ -119,8 +119,7 @@ def validate_rejection_inputs(draft_token_ids: torch.Tensor, draft_probs: torch.
     num_draft = valid.sum(1)
     positions = torch.arange(K + 1, device=target_probs.device)
     _check_distribution("draft_probs", draft_probs.float(), valid)
-    _check_distribution("target_probs", target_probs.float(),
-                        positions.unsqueeze(0) <= num_draft.unsqueeze(1))
+    _check_distribution("target_probs", target_probs.float(), positions.unsqueeze(0) <= num_draft.unsqueeze(1))
     return num_draft, draft_probs
 
 
@@ -137,9 +136,13 @@ class RejectionNoise:
     exponential: torch.Tensor
 
 
-def sample_rejection_noise(batch_size: int, num_spec: int, vocab_size: int,
-                           device: torch.device | str = "cpu",
-                           generator: torch.Generator | None = None) -> RejectionNoise:
+def sample_rejection_noise(
+    batch_size: int,
+    num_spec: int,
+    vocab_size: int,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+) -> RejectionNoise:
     """Draw the noise for one sampler call; the same generator state gives the same noise."""
     uniform = torch.rand(batch_size, num_spec, device=device, generator=generator)
     exponential = torch.empty(batch_size, vocab_size, device=device)
@@ -153,9 +156,15 @@ def sample_rejection_noise(batch_size: int, num_spec: int, vocab_size: int,
 # The probabilistic rejection sampler (torch)
 # ─────────────────────────────────────────────────────────────────────────────────────────────
 
-def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-                     target_probs: torch.Tensor, generator: torch.Generator | None = None,
-                     *, noise: RejectionNoise | None = None) -> torch.Tensor:
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    noise: RejectionNoise | None = None,
+) -> torch.Tensor:
     """Verify K drafts per request so that the emitted tokens follow ``target_probs`` exactly.
 
     Args:
@@ -215,9 +224,13 @@ def num_accepted_tokens(output_token_ids: torch.Tensor) -> torch.Tensor:
 # Greedy verification over vLLM's flattened layout
 # ─────────────────────────────────────────────────────────────────────────────────────────────
 
-def rejection_sampling_batched(target_sampled: torch.Tensor, draft_tokens: torch.Tensor,
-                               cu_num_logits: torch.Tensor, num_speculative_steps: int,
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+
+def rejection_sampling_batched(
+    target_sampled: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    num_speculative_steps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification over vLLM's flattened layout, vectorised: no loop over requests.
 
     Request r owns flat positions ``cu_num_logits[r] : cu_num_logits[r+1]`` (its drafts plus
@@ -234,8 +247,7 @@ def rejection_sampling_batched(target_sampled: torch.Tensor, draft_tokens: torch
         raise ValueError("target_sampled and draft_tokens must be 1-D tensors of equal length")
     counts = cu_num_logits[1:] - cu_num_logits[:-1]
     if (counts < 1).any() or (counts > num_speculative_steps + 1).any():
-        raise ValueError(f"cu_num_logits: each request needs 1..{num_speculative_steps + 1} "
-                         f"positions")
+        raise ValueError(f"cu_num_logits: each request needs 1..{num_speculative_steps + 1} positions")
     if int(cu_num_logits[-1]) != target_sampled.numel():
         raise ValueError("cu_num_logits[-1] must equal len(target_sampled)")
     width = num_speculative_steps + 1
@@ -258,6 +270,7 @@ def rejection_sampling_batched(target_sampled: torch.Tensor, draft_tokens: torch
 # One speculative step with real models: draft → verify → emit
 # ─────────────────────────────────────────────────────────────────────────────────────────────
 
+
 @runtime_checkable
 class LogitsModel(Protocol):
     """What the step functions need from a model: next-token logits of the last positions."""
@@ -266,10 +279,13 @@ class LogitsModel(Protocol):
         """``[num_logits, V]`` logits predicting the token after each of the last positions."""
 
 
-def draft_generate(draft_model: LogitsModel, context_ids: Sequence[int],
-                   num_speculative_tokens: int, temperature: float = 0.0,
-                   generator: torch.Generator | None = None,
-                   ) -> tuple[list[int], torch.Tensor]:
+def draft_generate(
+    draft_model: LogitsModel,
+    context_ids: Sequence[int],
+    num_speculative_tokens: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], torch.Tensor]:
     """The draft model proposes K tokens autoregressively; returns ``(tokens, probs [K, V])``.
 
     Each draft is *sampled from* the distribution returned for it (one-hot when greedy): the
@@ -282,8 +298,7 @@ def draft_generate(draft_model: LogitsModel, context_ids: Sequence[int],
     ids = list(context_ids)
     for _ in range(num_speculative_tokens):
         q = probs_from_logits(draft_model.get_logits(ids, 1)[-1], temperature)
-        token = int(torch.multinomial(q, 1, generator=generator)) if temperature >= 1e-5 \
-            else int(q.argmax())
+        token = int(torch.multinomial(q, 1, generator=generator)) if temperature >= 1e-5 else int(q.argmax())
         tokens.append(token)
         probs.append(q)
         ids.append(token)
@@ -291,10 +306,14 @@ def draft_generate(draft_model: LogitsModel, context_ids: Sequence[int],
     return tokens, torch.stack(probs) if probs else torch.empty(0, vocab)
 
 
-def verify_and_sample(target_model: LogitsModel, context_ids: Sequence[int],
-                      draft_tokens: Sequence[int], draft_probs: torch.Tensor | None = None,
-                      temperature: float = 0.0, generator: torch.Generator | None = None,
-                      ) -> tuple[list[int], int]:
+def verify_and_sample(
+    target_model: LogitsModel,
+    context_ids: Sequence[int],
+    draft_tokens: Sequence[int],
+    draft_probs: torch.Tensor | None = None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
     """One target forward over context + drafts, then rejection sampling.
 
     Returns ``(emitted_tokens, num_accepted)``: the accepted drafts followed by one recovered or
@@ -317,10 +336,14 @@ class Proposer(Protocol):
     def propose(self, token_ids_list: Sequence[Sequence[int]], k: int): ...
 
 
-def speculative_decode_step(target_model: LogitsModel, draft_model: LogitsModel | Proposer,
-                            context_ids: Sequence[int], num_speculative_tokens: int = 5,
-                            temperature: float = 0.0, generator: torch.Generator | None = None,
-                            ) -> tuple[list[int], dict]:
+def speculative_decode_step(
+    target_model: LogitsModel,
+    draft_model: LogitsModel | Proposer,
+    context_ids: Sequence[int],
+    num_speculative_tokens: int = 5,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], dict]:
     """Draft, verify, emit: one target forward yields between 1 and K+1 tokens.
 
     ``draft_model`` is either a model with ``get_logits`` (drafts via :func:`draft_generate`) or
@@ -328,17 +351,15 @@ def speculative_decode_step(target_model: LogitsModel, draft_model: LogitsModel 
     """
     q: torch.Tensor | None
     if isinstance(draft_model, LogitsModel):
-        drafts, q = draft_generate(draft_model, context_ids, num_speculative_tokens,
-                                   temperature, generator)
+        drafts, q = draft_generate(draft_model, context_ids, num_speculative_tokens, temperature, generator)
     else:
         proposal = draft_model.propose([list(context_ids)], num_speculative_tokens)
         if isinstance(proposal, tuple):  # a draft model: (drafts, q or None when greedy)
             drafts, probs = proposal[0][0], proposal[1]
-            q = None if probs is None else probs[0, :len(drafts)]
+            q = None if probs is None else probs[0, : len(drafts)]
         else:
             drafts, q = proposal[0], None
-    tokens, num_accepted = verify_and_sample(target_model, context_ids, drafts, q,
-                                             temperature, generator)
+    tokens, num_accepted = verify_and_sample(target_model, context_ids, drafts, q, temperature, generator)
     stats = {
         "num_draft": len(drafts),
         "num_accepted": num_accepted,
@@ -352,7 +373,7 @@ def speculative_decode_step(target_model: LogitsModel, draft_model: LogitsModel 
 class SpecDecodeStats:
     """Counters of a speculative generation (vLLM reports the same three)."""
 
-    num_steps: int = 0              # target forwards
+    num_steps: int = 0  # target forwards
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
@@ -369,11 +390,16 @@ class SpecDecodeStats:
         return self.num_emitted_tokens / self.num_steps if self.num_steps else 0.0
 
 
-def speculative_generate(target_model: LogitsModel, proposer: LogitsModel | Proposer | None,
-                         prompt_ids: Sequence[int], max_new_tokens: int,
-                         num_speculative_tokens: int = 4, temperature: float = 0.0,
-                         generator: torch.Generator | None = None,
-                         eos_token_id: int | None = None) -> tuple[list[int], SpecDecodeStats]:
+def speculative_generate(
+    target_model: LogitsModel,
+    proposer: LogitsModel | Proposer | None,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    num_speculative_tokens: int = 4,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | None = None,
+) -> tuple[list[int], SpecDecodeStats]:
     """Generate up to ``max_new_tokens`` with :func:`speculative_decode_step`.
 
     ``proposer=None`` (or ``num_speculative_tokens=0``) is plain decoding through the very same
@@ -388,15 +414,14 @@ def speculative_generate(target_model: LogitsModel, proposer: LogitsModel | Prop
     out: list[int] = []
     stats = SpecDecodeStats()
     while len(out) < max_new_tokens and (eos_token_id is None or eos_token_id not in out):
-        tokens, step = speculative_decode_step(target_model, draft_source, ctx, k, temperature,
-                                               generator)
+        tokens, step = speculative_decode_step(target_model, draft_source, ctx, k, temperature, generator)
         stats.num_steps += 1
         stats.num_draft_tokens += step["num_draft"]
         stats.num_accepted_tokens += step["num_accepted"]
         ctx += tokens
         out += tokens
     if eos_token_id is not None and eos_token_id in out:
-        out = out[:out.index(eos_token_id) + 1]
+        out = out[: out.index(eos_token_id) + 1]
     return out[:max_new_tokens], stats
 
 

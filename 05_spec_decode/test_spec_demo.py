@@ -13,8 +13,9 @@ HERE = Path(__file__).resolve().parent
 def _run(*args, timeout=300):
     # Without TRITON_INTERPRET, as a reader starts it: the demo must switch the interpreter on itself.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, *args], cwd=HERE.parent, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, *args], cwd=HERE.parent, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 @pytest.mark.parametrize("script", ["demo.py", "bench_spec_decode.py"])
@@ -33,8 +34,7 @@ def test_demo_toy_part():
 
 @pytest.mark.slow
 def test_demo_with_the_default_model():
-    result = _run(str(HERE / "demo.py"), "--rows", "20000", "--max-new-tokens", "12",
-                  "--draft-tokens", "6")
+    result = _run(str(HERE / "demo.py"), "--rows", "20000", "--max-new-tokens", "12", "--draft-tokens", "6")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("same output: True") == 2, result.stdout
     assert "n-gram" in result.stdout and "draft (4 layers)" in result.stdout

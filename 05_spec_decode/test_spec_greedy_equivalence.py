@@ -17,9 +17,10 @@ PROMPTS = [[5, 17, 99, 3, 250, 17, 99], [300, 42, 7, 7, 7, 18, 300, 42, 7, 11, 6
 
 def _reference(model_dir, prompt):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                         min_new_tokens=NEW_TOKENS, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def _speculative(target, proposer, prompt, k):
@@ -29,7 +30,7 @@ def _speculative(target, proposer, prompt, k):
         tokens, _ = speculative_decode_step(target, proposer, ctx, k)
         ctx += tokens
         steps += 1
-    return ctx[len(prompt):len(prompt) + NEW_TOKENS], steps
+    return ctx[len(prompt) : len(prompt) + NEW_TOKENS], steps
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +50,19 @@ def test_greedy_unchanged_with_a_truncated_draft_model(tiny_llama_dir, truncated
 def test_greedy_unchanged_with_an_unrelated_draft_model(tiny_llama_dir, tmp_path):
     # A different random checkpoint: almost every draft is rejected, output must not change.
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(1)
-    other = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=1, num_attention_heads=2,
-                                         num_key_value_heads=1, head_dim=16))
+    other = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=512,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+        )
+    )
     target = HFCausalLM(tiny_llama_dir)
     got, _ = _speculative(target, DraftModelProposer(other), PROMPTS[0], 3)
     assert got == _reference(tiny_llama_dir, PROMPTS[0])

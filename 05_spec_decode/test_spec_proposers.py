@@ -43,8 +43,9 @@ def test_cached_logits_equal_a_fresh_forward(tiny_llama_dir):
     assert torch.allclose(lm.get_logits(ids[:6], 2), fresh[4:6], atol=1e-4)
     # Extends the cache by three tokens, then rolls it back as after a rejected draft.
     assert torch.allclose(lm.get_logits(ids, 3), fresh[6:9], atol=1e-4)
-    assert torch.allclose(lm.get_logits(ids[:7] + [1], 1), lm.model(
-        torch.tensor([ids[:7] + [1]])).logits[0, -1:].float(), atol=1e-4)
+    assert torch.allclose(
+        lm.get_logits(ids[:7] + [1], 1), lm.model(torch.tensor([ids[:7] + [1]])).logits[0, -1:].float(), atol=1e-4
+    )
     assert lm.num_tokens_computed == 6 + 3 + 1
     with pytest.raises(ValueError, match="num_logits"):
         lm.get_logits(ids[:2], 3)
@@ -111,6 +112,6 @@ def test_truncated_draft_keeps_the_first_layers(tiny_llama_dir, tmp_path):
     assert draft.config.num_hidden_layers == 1
     assert torch.equal(draft.model.layers[0].mlp.up_proj.weight, full.model.layers[0].mlp.up_proj.weight)
     assert torch.equal(draft.lm_head.weight, full.lm_head.weight)
-    assert make_truncated_draft(tiny_llama_dir, 1, tmp_path / "draft") == out   # reused
+    assert make_truncated_draft(tiny_llama_dir, 1, tmp_path / "draft") == out  # reused
     with pytest.raises(ValueError, match="num_layers"):
         make_truncated_draft(tiny_llama_dir, 3, tmp_path / "bad")

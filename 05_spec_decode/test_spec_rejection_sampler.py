@@ -30,7 +30,7 @@ def _case(B, K, V, seed, sharpness=2.0, device="cpu"):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_matches_torch_exactly(B, K, V, block_v, seed):
     ids, draft, target, g = _case(B, K, V, seed)
-    ids[1, K - 1:] = -1                      # a request with fewer drafts
+    ids[1, K - 1 :] = -1  # a request with fewer drafts
     noise = sample_rejection_noise(B, K, V, generator=g)
     expected = rejection_sample(ids, draft, target, noise=noise)
     got = rejection_sample_triton(ids, draft, target, noise=noise, block_v=block_v)
@@ -54,7 +54,7 @@ def test_output_layout(sampler):
         n = int(n_acc[b])
         assert out[b, :n].tolist() == ids[b, :n].tolist()
         assert 0 <= out[b, n] < 20
-        assert (out[b, n + 1:] == -1).all()
+        assert (out[b, n + 1 :] == -1).all()
 
 
 @pytest.mark.parametrize("sampler", [rejection_sample, rejection_sample_triton])
@@ -66,15 +66,15 @@ def test_greedy_is_exact_match_verification(sampler):
     target = probs_from_logits(logits, 0.0)
     greedy = logits.argmax(-1)
     ids = greedy[:, :K].clone()
-    for b in range(B):                       # break the draft at position b (none when b >= K)
+    for b in range(B):  # break the draft at position b (none when b >= K)
         if b < K:
             ids[b, b] = (ids[b, b] + 1) % V
     outs = [sampler(ids, None, target, torch.Generator().manual_seed(s)) for s in range(3)]
     assert all(torch.equal(o, outs[0]) for o in outs), "greedy must not depend on the seed"
     for b in range(B):
         n = min(b, K)
-        assert outs[0][b, :n + 1].tolist() == greedy[b, :n + 1].tolist()
-        assert (outs[0][b, n + 1:] == -1).all()
+        assert outs[0][b, : n + 1].tolist() == greedy[b, : n + 1].tolist()
+        assert (outs[0][b, n + 1 :] == -1).all()
 
 
 def test_greedy_agrees_with_the_seed_batched_layout():
@@ -84,7 +84,7 @@ def test_greedy_agrees_with_the_seed_batched_layout():
     num_drafts = [3, 1, 0, 2]
     drafts = [torch.randint(0, V, (n,), generator=g).tolist() for n in num_drafts]
     logits = torch.randn(len(drafts), K + 1, V, generator=g)
-    for b, d in enumerate(drafts):           # make some drafts right
+    for b, d in enumerate(drafts):  # make some drafts right
         for j, t in enumerate(d[:2]):
             logits[b, j, t] += 10.0
     target_tok = logits.argmax(-1)
@@ -93,11 +93,12 @@ def test_greedy_agrees_with_the_seed_batched_layout():
 
     target_flat, input_flat, cu = [], [], [0]
     for b, d in enumerate(drafts):
-        target_flat += target_tok[b, :len(d) + 1].tolist()
-        input_flat += [0] + d                # the token before the drafts, then the drafts
+        target_flat += target_tok[b, : len(d) + 1].tolist()
+        input_flat += [0] + d  # the token before the drafts, then the drafts
         cu.append(cu[-1] + len(d) + 1)
     sampled, num_sampled = rejection_sampling_batched(
-        torch.tensor(target_flat), torch.tensor(input_flat), torch.tensor(cu), K)
+        torch.tensor(target_flat), torch.tensor(input_flat), torch.tensor(cu), K
+    )
     assert torch.equal(sampled, expected)
     assert num_sampled.tolist() == (num_accepted_tokens(expected) + 1).tolist()
 
@@ -117,7 +118,7 @@ def test_zero_draft_tokens_gives_a_plain_sample(sampler):
     target = torch.softmax(torch.randn(3, 1, 9, generator=g), -1)
     noise = RejectionNoise(torch.empty(3, 0), torch.ones(3, 9))
     out = sampler(torch.empty(3, 0, dtype=torch.long), None, target, noise=noise)
-    assert out[:, 0].tolist() == target[:, 0].argmax(-1).tolist()   # argmax(p / 1)
+    assert out[:, 0].tolist() == target[:, 0].argmax(-1).tolist()  # argmax(p / 1)
 
 
 def test_one_hot_draft_probs_and_padding():

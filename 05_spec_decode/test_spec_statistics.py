@@ -13,12 +13,12 @@ from spec_decode import num_accepted_tokens, rejection_sample
 
 VOCAB = 10
 K = 2
-NUM_ROWS = 1_000_000        # enough for >= 100k emitted tokens at the last position
+NUM_ROWS = 1_000_000  # enough for >= 100k emitted tokens at the last position
 SAMPLE_SIZES = [10, 100, 1_000, 10_000, 100_000]
 NUM_REFERENCES = 100
-IMPROVEMENT = 20            # vLLM's "shrinks >= 20x faster than to random references"
-TV_TOL = 0.01               # at 100k samples; sampling noise alone gives a mean TV of ~0.004
-ACCEPT_TOL = 0.01           # acceptance rate over 1M rows: std ~0.0005
+IMPROVEMENT = 20  # vLLM's "shrinks >= 20x faster than to random references"
+TV_TOL = 0.01  # at 100k samples; sampling noise alone gives a mean TV of ~0.004
+ACCEPT_TOL = 0.01  # acceptance rate over 1M rows: std ~0.0005
 
 
 def _distributions(seed: int):
@@ -30,8 +30,7 @@ def _distributions(seed: int):
 
 
 def _run(p, q, n, g):
-    draft = torch.stack([torch.multinomial(q[j], n, replacement=True, generator=g)
-                         for j in range(K)], 1)
+    draft = torch.stack([torch.multinomial(q[j], n, replacement=True, generator=g) for j in range(K)], 1)
     out = rejection_sample(draft, q.expand(n, K, VOCAB), p.expand(n, K + 1, VOCAB), g)
     return draft, out
 
@@ -65,7 +64,7 @@ def test_emitted_tokens_converge_to_target_faster_than_to_references(sampled):
 def test_total_variation_at_large_sample(sampled):
     p, _, _, _, out = sampled
     for j in range(K + 1):
-        emitted = out[:, j][out[:, j] >= 0][:SAMPLE_SIZES[-1]]
+        emitted = out[:, j][out[:, j] >= 0][: SAMPLE_SIZES[-1]]
         tv = 0.5 * (_hist(emitted) - p[j].double()).abs().sum().item()
         assert tv < TV_TOL, f"position {j}: TV {tv:.4f} >= {TV_TOL}"
 

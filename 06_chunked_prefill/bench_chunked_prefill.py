@@ -47,8 +47,10 @@ def run_once(model: ToyTransformer, args, chunked: bool) -> dict:
     runner = ToyRunner(model, num_blocks, bs)
     gen = torch.Generator().manual_seed(args.seed)
     prompt = lambda n: torch.randint(1, model.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
-    decoders = [Request(f"d{i}", prompt(args.decode_prompt), max_tokens=args.max_tokens, ignore_eos=True,
-                        block_size=bs) for i in range(args.num_decoders)]
+    decoders = [
+        Request(f"d{i}", prompt(args.decode_prompt), max_tokens=args.max_tokens, ignore_eos=True, block_size=bs)
+        for i in range(args.num_decoders)
+    ]
     long_req = Request("long", prompt(args.long_prompt), max_tokens=8, ignore_eos=True, block_size=bs)
     for r in decoders:
         sched.add_request(r)
@@ -67,9 +69,17 @@ def run_once(model: ToyTransformer, args, chunked: bool) -> dict:
             times[rid].append(now)
         step += 1
     itl = [b - a for r in decoders for a, b in zip(times[r.request_id], times[r.request_id][1:])]
-    return dict(ttft=times["long"][0] - arrival, itl_p50=percentile(itl, 50), itl_p99=percentile(itl, 99),
-                itl_max=max(itl), steps=step, total=time.perf_counter() - t0, arrival=arrival,
-                d0_times=times["d0"], long_first=times["long"][0])
+    return dict(
+        ttft=times["long"][0] - arrival,
+        itl_p50=percentile(itl, 50),
+        itl_p99=percentile(itl, 99),
+        itl_max=max(itl),
+        steps=step,
+        total=time.perf_counter() - t0,
+        arrival=arrival,
+        d0_times=times["d0"],
+        long_first=times["long"][0],
+    )
 
 
 def plot(results: dict[str, dict], path: Path, args) -> None:
@@ -82,16 +92,27 @@ def plot(results: dict[str, dict], path: Path, args) -> None:
     for (name, r), color in zip(results.items(), ("tab:red", "tab:blue")):
         t = r["d0_times"]
         # Each gap is drawn over the interval it spans: a flat line is a wait.
-        ax.step([x * 1e3 for x in t], [(t[1] - t[0]) * 1e3] + [(b - a) * 1e3 for a, b in zip(t, t[1:])],
-                where="pre", color=color, label=f"{name}: gap between d0's tokens")
-        ax.axvline(r["long_first"] * 1e3, color=color, ls="--", lw=1,
-                   label=f"{name}: long prompt's first token (TTFT {r['ttft'] * 1e3:.0f} ms)")
+        ax.step(
+            [x * 1e3 for x in t],
+            [(t[1] - t[0]) * 1e3] + [(b - a) * 1e3 for a, b in zip(t, t[1:])],
+            where="pre",
+            color=color,
+            label=f"{name}: gap between d0's tokens",
+        )
+        ax.axvline(
+            r["long_first"] * 1e3,
+            color=color,
+            ls="--",
+            lw=1,
+            label=f"{name}: long prompt's first token (TTFT {r['ttft'] * 1e3:.0f} ms)",
+        )
     ax.axvline(results["no chunking"]["arrival"] * 1e3, color="gray", ls=":", lw=1, label="long prompt arrives")
     ax.set_xlabel("time since start (ms)")
     ax.set_ylabel("inter-token latency (ms)")
     ax.set_yscale("log")
-    ax.set_title(f"{args.num_decoders} decoding requests, a {args.long_prompt}-token prompt arrives "
-                 f"(chunks of {args.chunk})")
+    ax.set_title(
+        f"{args.num_decoders} decoding requests, a {args.long_prompt}-token prompt arrives (chunks of {args.chunk})"
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -117,31 +138,55 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    model = ToyTransformer(vocab_size=1024, hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
-                           num_kv_heads=args.kv_heads, seed=args.seed)
+    model = ToyTransformer(
+        vocab_size=1024,
+        hidden=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        seed=args.seed,
+    )
     modes = {"no chunking": False, f"chunked ({args.chunk})": True}
     runs: dict[str, list[dict]] = {name: [] for name in modes}
-    run_once(model, argparse.Namespace(**{**vars(args), "long_prompt": 64, "max_tokens": 4, "arrive_step": 2}), False)  # warm-up
+    run_once(
+        model, argparse.Namespace(**{**vars(args), "long_prompt": 64, "max_tokens": 4, "arrive_step": 2}), False
+    )  # warm-up
     for _ in tqdm(range(args.repeats), desc="repeats"):
         for name, chunked in modes.items():
             runs[name].append(run_once(model, args, chunked))
-    print(f"toy model: hidden {args.hidden}, {args.layers} layers, {args.heads} heads; {args.num_decoders} "
-          f"decoding requests; a {args.long_prompt}-token prompt arrives at step {args.arrive_step}; "
-          f"medians of {args.repeats} runs; {os.cpu_count()}-core CPU, {args.threads} torch thread(s), "
-          f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
-    head = ("mode", "steps", "long prompt TTFT ms", "decode ITL p50 ms", "decode ITL p99 ms", "decode ITL max ms",
-            "total s")
+    print(
+        f"toy model: hidden {args.hidden}, {args.layers} layers, {args.heads} heads; {args.num_decoders} "
+        f"decoding requests; a {args.long_prompt}-token prompt arrives at step {args.arrive_step}; "
+        f"medians of {args.repeats} runs; {os.cpu_count()}-core CPU, {args.threads} torch thread(s), "
+        f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}"
+    )
+    head = (
+        "mode",
+        "steps",
+        "long prompt TTFT ms",
+        "decode ITL p50 ms",
+        "decode ITL p99 ms",
+        "decode ITL max ms",
+        "total s",
+    )
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
     summary = {}
     for name, rs in runs.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in ("ttft", "itl_p50", "itl_p99", "itl_max", "total", "steps")}
+        med = {
+            k: statistics.median(r[k] for r in rs) for k in ("ttft", "itl_p50", "itl_p99", "itl_max", "total", "steps")
+        }
         summary[name] = med
-        print(f"| {name} | {med['steps']:.0f} | {med['ttft'] * 1e3:.0f} | {med['itl_p50'] * 1e3:.1f} | "
-              f"{med['itl_p99'] * 1e3:.1f} | {med['itl_max'] * 1e3:.1f} | {med['total']:.2f} |")
+        print(
+            f"| {name} | {med['steps']:.0f} | {med['ttft'] * 1e3:.0f} | {med['itl_p50'] * 1e3:.1f} | "
+            f"{med['itl_p99'] * 1e3:.1f} | {med['itl_max'] * 1e3:.1f} | {med['total']:.2f} |"
+        )
     if args.plot:
-        plot({"no chunking": runs["no chunking"][-1], "chunked": runs[f"chunked ({args.chunk})"][-1]},
-             Path(args.plot), args)
+        plot(
+            {"no chunking": runs["no chunking"][-1], "chunked": runs[f"chunked ({args.chunk})"][-1]},
+            Path(args.plot),
+            args,
+        )
         print(f"plot: {args.plot}")
     return summary
 

@@ -47,11 +47,20 @@ class ChunkedPrefillScheduler(Scheduler):
 
     chunked_prefill = True
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, num_gpu_blocks: int,
-                 policy: str = "fcfs", block_size: int = 16, block_manager: BlockManager | None = None,
-                 long_prefill_token_threshold: int | None = None, kv_connector: KVConnector | None = None):
-        super().__init__(max_num_seqs, max_num_batched_tokens, num_gpu_blocks, policy, block_size, block_manager,
-                         kv_connector)
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        num_gpu_blocks: int,
+        policy: str = "fcfs",
+        block_size: int = 16,
+        block_manager: BlockManager | None = None,
+        long_prefill_token_threshold: int | None = None,
+        kv_connector: KVConnector | None = None,
+    ):
+        super().__init__(
+            max_num_seqs, max_num_batched_tokens, num_gpu_blocks, policy, block_size, block_manager, kv_connector
+        )
         if long_prefill_token_threshold is not None and long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}")
         self.long_prefill_token_threshold = long_prefill_token_threshold or None
@@ -102,8 +111,16 @@ class SchedulerInfo:
     decoding_batch: int = 0
     prefill_batch: int = 0
 
-    def add_row(self, request_id: str, chunk: list[int], kv_len: int, block_table: list[int],
-                samples: bool, num_spec: int = 0, is_decoding: bool = False) -> None:
+    def add_row(
+        self,
+        request_id: str,
+        chunk: list[int],
+        kv_len: int,
+        block_table: list[int],
+        samples: bool,
+        num_spec: int = 0,
+        is_decoding: bool = False,
+    ) -> None:
         """Append one request's slice; ``samples`` says whether its last position samples."""
         self.ids.append(request_id)
         self.chunk_prompts.append(chunk)
@@ -125,9 +142,15 @@ class SchedulerInfo:
         info = cls()
         for req in out.scheduled_requests:
             rid = req.request_id
-            info.add_row(rid, out.input_token_ids(req), out.num_computed_tokens[rid], req.block_table,
-                         out.produces_token(req), len(out.scheduled_spec_decode_tokens.get(rid, ())),
-                         req.is_decoding)
+            info.add_row(
+                rid,
+                out.input_token_ids(req),
+                out.num_computed_tokens[rid],
+                req.block_table,
+                out.produces_token(req),
+                len(out.scheduled_spec_decode_tokens.get(rid, ())),
+                req.is_decoding,
+            )
         return info
 
     @classmethod
@@ -137,8 +160,13 @@ class SchedulerInfo:
         info = cls()
         for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
             start = seq.num_computed_tokens
-            info.add_row(getattr(seq, "request_id", str(i)), seq.token_ids[start:start + n], start,
-                         seq.block_table, samples=start + n == seq.num_tokens)
+            info.add_row(
+                getattr(seq, "request_id", str(i)),
+                seq.token_ids[start : start + n],
+                start,
+                seq.block_table,
+                samples=start + n == seq.num_tokens,
+            )
         return info
 
     @property
@@ -149,8 +177,12 @@ class SchedulerInfo:
     @property
     def logits_indices(self) -> list[int]:
         """Rows of the merged input whose logits sample: each draft position, then the last."""
-        return [idx + last - k + j for idx, last, k in zip(self.chunk_idx, self.last_pos, self.num_spec)
-                if last >= 0 for j in range(k + 1)]
+        return [
+            idx + last - k + j
+            for idx, last, k in zip(self.chunk_idx, self.last_pos, self.num_spec)
+            if last >= 0
+            for j in range(k + 1)
+        ]
 
 
 @dataclass
@@ -183,6 +215,7 @@ def build_batch_inputs(info: SchedulerInfo, block_size: int, device: torch.devic
     tables = torch.tensor([bt + [0] * (width - len(bt)) for bt in info.block_tables], dtype=torch.int32)
     seq_lens_k = starts + lens
     slot_mapping = build_slot_mapping(tables, positions, block_size, seq_ids)
+
     def to(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
 

@@ -38,7 +38,8 @@ class FakeBatchModel(FakeModel):
         counts = [n for n in info.num_sample_rows if n]
         cu_num_logits = torch.tensor([0] + counts).cumsum(0)
         sampled, num_sampled = rejection_sampling_batched(
-            torch.tensor(predicted), torch.tensor([input_ids[r] for r in rows]), cu_num_logits, max(counts) - 1)
+            torch.tensor(predicted), torch.tensor([input_ids[r] for r in rows]), cu_num_logits, max(counts) - 1
+        )
         sampling_ids = [rid for rid, n in zip(info.ids, info.num_sample_rows) if n]
         return {rid: row[:n] for rid, row, n in zip(sampling_ids, sampled.tolist(), num_sampled.tolist())}
 

@@ -55,7 +55,8 @@ class ToyLayer(nn.Module):
 
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
         q, k, v = self.qkv(rms_norm(x, self.attn_norm)).split(
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1)
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1
+        )
         q = apply_rope(q.reshape(-1, self.num_heads, self.head_dim), positions)
         k = apply_rope(k.reshape(-1, self.num_kv_heads, self.head_dim), positions)
         return q, k, v.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -67,33 +68,47 @@ class ToyLayer(nn.Module):
     def forward(self, x: torch.Tensor, inp: BatchInputs, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, inp.positions)
         store_kvcache(k, v, k_cache, v_cache, inp.slot_mapping)
-        o = paged_attention_varlen(q, k_cache, v_cache, inp.cu_seqlens_q, inp.seq_lens_k, inp.block_tables,
-                                   self.scale, causal=True)
+        o = paged_attention_varlen(
+            q, k_cache, v_cache, inp.cu_seqlens_q, inp.seq_lens_k, inp.block_tables, self.scale, causal=True
+        )
         return self._mlp(x + self.o_proj(o.reshape(x.shape[0], -1)))
 
     def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, torch.arange(x.shape[0], device=x.device))
         rep = self.num_heads // self.num_kv_heads
         o = nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.repeat_interleave(rep, 1).transpose(0, 1), v.repeat_interleave(rep, 1).transpose(0, 1),
-            is_causal=True, scale=self.scale)
+            q.transpose(0, 1),
+            k.repeat_interleave(rep, 1).transpose(0, 1),
+            v.repeat_interleave(rep, 1).transpose(0, 1),
+            is_causal=True,
+            scale=self.scale,
+        )
         return self._mlp(x + self.o_proj(o.transpose(0, 1).reshape(x.shape[0], -1)))
 
 
 class ToyTransformer(nn.Module):
     """A decoder-only transformer with random weights (fixed by ``seed``)."""
 
-    def __init__(self, vocab_size: int = 256, hidden: int = 64, num_layers: int = 2, num_heads: int = 4,
-                 num_kv_heads: int = 2, intermediate: int | None = None, seed: int = 0,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        hidden: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        intermediate: int | None = None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         if hidden % num_heads or num_heads % num_kv_heads:
             raise ValueError("hidden must be a multiple of num_heads, num_heads of num_kv_heads")
         self.vocab_size, self.num_kv_heads, self.head_dim = vocab_size, num_kv_heads, hidden // num_heads
         gen = torch.Generator().manual_seed(seed)
         self.embed = nn.Embedding(vocab_size, hidden)
-        self.layers = nn.ModuleList(ToyLayer(hidden, num_heads, num_kv_heads, intermediate or 4 * hidden)
-                                    for _ in range(num_layers))
+        self.layers = nn.ModuleList(
+            ToyLayer(hidden, num_heads, num_kv_heads, intermediate or 4 * hidden) for _ in range(num_layers)
+        )
         self.norm = nn.Parameter(torch.ones(hidden))
         self.lm_head = nn.Linear(hidden, vocab_size, bias=False)
         with torch.no_grad():
@@ -132,8 +147,9 @@ class ToyRunner:
     def __init__(self, model: ToyTransformer, num_blocks: int, block_size: int):
         self.model, self.block_size = model, block_size
         dtype, device = model.embed.weight.dtype, model.embed.weight.device
-        self.kv_cache = allocate_kv_cache(len(model.layers), num_blocks, block_size, model.num_kv_heads,
-                                          model.head_dim, dtype, device)
+        self.kv_cache = allocate_kv_cache(
+            len(model.layers), num_blocks, block_size, model.num_kv_heads, model.head_dim, dtype, device
+        )
         self.last_logits: dict[str, torch.Tensor] = {}
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
@@ -148,13 +164,13 @@ class ToyRunner:
         for rid, chunk, last, k in zip(info.ids, info.chunk_prompts, info.last_pos, info.num_spec):
             if last < 0:
                 continue
-            drafts = chunk[len(chunk) - k:]
+            drafts = chunk[len(chunk) - k :]
             tokens = []
             for j in range(k + 1):
                 tokens.append(greedy[row + j])
                 if j == k or drafts[j] != greedy[row + j]:
                     break
             sampled[rid] = tokens
-            self.last_logits[rid] = logits[row:row + k + 1]
+            self.last_logits[rid] = logits[row : row + k + 1]
             row += k + 1
         return sampled

@@ -26,9 +26,11 @@ BS = 4
 
 
 def make_requests() -> list[Request]:
-    return [Request("d1", [5, 6, 7], max_tokens=14, block_size=BS),
-            Request("d2", [8, 9, 10, 11, 12], max_tokens=14, block_size=BS),
-            Request("long", [(11 * i) % 120 + 1 for i in range(40)], max_tokens=3, block_size=BS)]
+    return [
+        Request("d1", [5, 6, 7], max_tokens=14, block_size=BS),
+        Request("d2", [8, 9, 10, 11, 12], max_tokens=14, block_size=BS),
+        Request("long", [(11 * i) % 120 + 1 for i in range(40)], max_tokens=3, block_size=BS),
+    ]
 
 
 def run(sched, model, verbose: bool) -> tuple[dict, float]:
@@ -63,17 +65,28 @@ def trace(path: str) -> None:
     it goes through in chunks beside their decodes."""
     from vllm_from_scratch.viz import Arrival, demo_trace
 
-    long = "Summarize this: " + " ".join(["The engine schedules tokens, not requests, and every step has a budget."] * 12)
-    demo_trace(path, [Arrival("Count from one to twenty.", 30), Arrival("Name the days of the week.", 30),
-                      Arrival(long, 4, step=3)],
-               num_kvcache_blocks=48, max_num_batched_tokens=48, max_model_len=512, enable_prefix_caching=False)
+    long = "Summarize this: " + " ".join(
+        ["The engine schedules tokens, not requests, and every step has a budget."] * 12
+    )
+    demo_trace(
+        path,
+        [Arrival("Count from one to twenty.", 30), Arrival("Name the days of the week.", 30), Arrival(long, 4, step=3)],
+        num_kvcache_blocks=48,
+        max_num_batched_tokens=48,
+        max_model_len=512,
+        enable_prefix_caching=False,
+    )
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget", type=int, default=8, help="max_num_batched_tokens of the chunked scheduler")
     p.add_argument("--threshold", type=int, default=0, help="long_prefill_token_threshold (0: none)")
-    p.add_argument("--trace", metavar="PATH", help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)")
+    p.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)",
+    )
     args = p.parse_args(argv)
     if args.trace:
         trace(args.trace)
@@ -81,11 +94,16 @@ def main(argv=None) -> None:
 
     torch.manual_seed(0)
     model = ToyTransformer(vocab_size=128, hidden=64, num_layers=2, num_heads=4, num_kv_heads=2)
-    print(f"ChunkedPrefillScheduler(max_num_batched_tokens={args.budget}, "
-          f"long_prefill_token_threshold={args.threshold or None}), block size {BS}")
+    print(
+        f"ChunkedPrefillScheduler(max_num_batched_tokens={args.budget}, "
+        f"long_prefill_token_threshold={args.threshold or None}), block size {BS}"
+    )
     print("step | batch    | rows (D = decode, P = prefill chunk)")
-    chunked, err_c = run(ChunkedPrefillScheduler(4, args.budget, 64, block_size=BS,
-                                                 long_prefill_token_threshold=args.threshold), model, True)
+    chunked, err_c = run(
+        ChunkedPrefillScheduler(4, args.budget, 64, block_size=BS, long_prefill_token_threshold=args.threshold),
+        model,
+        True,
+    )
     whole, err_w = run(Scheduler(4, 64, 64, block_size=BS), model, False)
     print("\nrequest  tokens (chunked)                          same as whole-prompt scheduling")
     for rid, toks in chunked.items():

@@ -135,9 +135,18 @@ def test_preempted_request_resumes_in_chunks():
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_random_workloads_with_chunking(policy, prefix_caching):
     """The engine's hand-off under test: every step goes through SchedulerInfo and the batch tensors."""
-    results = [run_random_workload(ChunkedPrefillScheduler, seed, chunked=True, policy=policy,
-                                   prefix_caching=prefix_caching, model_cls=FakeBatchModel, remote=seed % 3 == 0)
-               for seed in range(400)]
+    results = [
+        run_random_workload(
+            ChunkedPrefillScheduler,
+            seed,
+            chunked=True,
+            policy=policy,
+            prefix_caching=prefix_caching,
+            model_cls=FakeBatchModel,
+            remote=seed % 3 == 0,
+        )
+        for seed in range(400)
+    ]
     assert sum(r.num_steps for r in results) > 4000
     assert sum(r.num_preemptions for r in results) > 50
     assert sum(r.num_spec_accepted for r in results) > 500

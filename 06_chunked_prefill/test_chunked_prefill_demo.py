@@ -22,9 +22,29 @@ def test_demo_runs_and_chunked_equals_whole():
 
 def test_benchmark_prints_the_table_and_saves_a_plot(tmp_path):
     png = tmp_path / "latency.png"
-    out = run("bench_chunked_prefill.py", "--hidden", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2",
-              "--long-prompt", "96", "--chunk", "32", "--max-tokens", "6", "--arrive-step", "2",
-              "--repeats", "1", "--plot", str(png))
+    out = run(
+        "bench_chunked_prefill.py",
+        "--hidden",
+        "64",
+        "--layers",
+        "1",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--long-prompt",
+        "96",
+        "--chunk",
+        "32",
+        "--max-tokens",
+        "6",
+        "--arrive-step",
+        "2",
+        "--repeats",
+        "1",
+        "--plot",
+        str(png),
+    )
     assert "| no chunking |" in out and "| chunked (32) |" in out
     assert png.stat().st_size > 0
 

@@ -17,9 +17,11 @@ def model():
 
 
 def requests():
-    return [Request("d1", [1, 2, 3], max_tokens=10, block_size=BS),
-            Request("d2", [4, 5, 6, 7, 8], max_tokens=10, block_size=BS),
-            Request("long", [(7 * i) % 60 + 1 for i in range(23)], max_tokens=4, block_size=BS)]
+    return [
+        Request("d1", [1, 2, 3], max_tokens=10, block_size=BS),
+        Request("d2", [4, 5, 6, 7, 8], max_tokens=10, block_size=BS),
+        Request("long", [(7 * i) % 60 + 1 for i in range(23)], max_tokens=4, block_size=BS),
+    ]
 
 
 def run(model, sched, arrive_at=2, check_logits=True, drafts=False, runner=None):
@@ -45,7 +47,7 @@ def run(model, sched, arrive_at=2, check_logits=True, drafts=False, runner=None)
             for r in out.sampling_requests:
                 known = r.token_ids + out.scheduled_spec_decode_tokens.get(r.request_id, [])
                 n = len(runner.last_logits[r.request_id])
-                ref = model.forward_dense(known)[r.num_tokens - 1:r.num_tokens - 1 + n]
+                ref = model.forward_dense(known)[r.num_tokens - 1 : r.num_tokens - 1 + n]
                 max_err = max(max_err, (runner.last_logits[r.request_id] - ref).abs().max().item())
         sched.update_from_output(out, sampled)
         sched.check_invariants()

@@ -60,8 +60,15 @@ def make_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int],
     return prompts, outputs
 
 
-def bench_engine(model_dir: str, prompts, outputs, temperature: float, watch: LoadWatch | None = None,
-                 more_workloads: list | None = None, **engine_kwargs) -> tuple[list[float], float]:
+def bench_engine(
+    model_dir: str,
+    prompts,
+    outputs,
+    temperature: float,
+    watch: LoadWatch | None = None,
+    more_workloads: list | None = None,
+    **engine_kwargs,
+) -> tuple[list[float], float]:
     """The engine's output tok/s on the workload after a 4-token request, then on each of
     ``more_workloads`` ((prompts, outputs) pairs) in the same engine; and its start-up seconds
     (model load and, unless ``warm_up=False``, the start-up warm-up)."""
@@ -74,8 +81,10 @@ def bench_engine(model_dir: str, prompts, outputs, temperature: float, watch: Lo
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # as vllm_peer_runner does
     rates = []
     for batch_prompts, batch_outputs in [(prompts, outputs), *(more_workloads or [])]:
-        params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=i)
-                  for i, m in enumerate(batch_outputs)]
+        params = [
+            SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=i)
+            for i, m in enumerate(batch_outputs)
+        ]
         watch.before()
         start = time.perf_counter()
         outs = llm.generate(batch_prompts, params, use_tqdm=True)
@@ -87,8 +96,9 @@ def bench_engine(model_dir: str, prompts, outputs, temperature: float, watch: Lo
     return rates, startup_s
 
 
-def bench_transformers(model_dir: str, prompts, outputs, dtype: str, batch_size: int,
-                       watch: LoadWatch | None = None) -> float:
+def bench_transformers(
+    model_dir: str, prompts, outputs, dtype: str, batch_size: int, watch: LoadWatch | None = None
+) -> float:
     """transformers' ``generate`` in static left-padded batches; output tok/s counts requested tokens."""
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
@@ -101,15 +111,21 @@ def bench_transformers(model_dir: str, prompts, outputs, dtype: str, batch_size:
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts])
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                           do_sample=False, pad_token_id=pad)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=pad,
+            )
 
     run([prompts[0][:16]], 4)  # warm-up
     watch = watch or LoadWatch()
     watch.before()
     start = time.perf_counter()
     for i in tqdm(range(0, len(prompts), batch_size), desc=f"transformers {dtype}"):
-        run(prompts[i:i + batch_size], max(outputs[i:i + batch_size]))
+        run(prompts[i : i + batch_size], max(outputs[i : i + batch_size]))
     elapsed = time.perf_counter() - start
     watch.after()
     return sum(outputs) / elapsed
@@ -118,9 +134,19 @@ def bench_transformers(model_dir: str, prompts, outputs, dtype: str, batch_size:
 def make_qwen3_06b_shaped(path: str) -> str:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                         tie_word_embeddings=True, rms_norm_eps=1e-6, dtype="bfloat16")
+    config = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        dtype="bfloat16",
+    )
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
@@ -157,10 +183,15 @@ def machine_line() -> str:
 
 def machine_info(load_before: str) -> dict:
     """The machine as the JSON reports give it, with the load average before and now."""
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "cpu_flags": cpu_flags(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "torch_threads": torch.get_num_threads(), "load_average_before": load_before,
-            "load_average_after": load_average()}
+    return {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "cpu_flags": cpu_flags(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch_threads": torch.get_num_threads(),
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+    }
 
 
 def wait_for_quiet(threshold: float, deadline: float, poll_s: float = 15.0) -> bool:
@@ -199,8 +230,7 @@ class LoadWatch:
         start, quiet = time.time(), None
         if self.quiet_below is not None:
             quiet = wait_for_quiet(self.quiet_below, self.deadline or float("inf"))
-        self.records.append({"load_before": load_average(), "waited_s": round(time.time() - start, 1),
-                             "quiet": quiet})
+        self.records.append({"load_before": load_average(), "waited_s": round(time.time() - start, 1), "quiet": quiet})
 
     def after(self) -> None:
         self.records[-1]["load_after"] = load_average()
@@ -210,8 +240,10 @@ def vllm_python(venv: Path) -> Path:
     """The interpreter of vLLM's virtualenv, or exit saying which script builds it."""
     python = venv / "bin" / "python"
     if not python.exists():
-        raise SystemExit(f"--peer vllm needs vLLM's CPU build in {venv}, which does not exist: build it with "
-                         f"07_engine/make_vllm_venv.sh (a few minutes; never part of ./setup.sh)")
+        raise SystemExit(
+            f"--peer vllm needs vLLM's CPU build in {venv}, which does not exist: build it with "
+            f"07_engine/make_vllm_venv.sh (a few minutes; never part of ./setup.sh)"
+        )
     return python
 
 
@@ -225,12 +257,22 @@ def usable_cores() -> str:
 def vllm_bindings() -> dict[str, dict[str, str]]:
     """vLLM's two thread layouts on a CPU: its defaults (one core computes, one is reserved for
     the front end and engine core loop), and every usable core bound for compute."""
-    return {"defaults": {},
-            "all-cores-bound": {"VLLM_CPU_OMP_THREADS_BIND": usable_cores(), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
+    return {
+        "defaults": {},
+        "all-cores-bound": {"VLLM_CPU_OMP_THREADS_BIND": usable_cores(), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+    }
 
 
-def bench_vllm(python: Path, model_dir: str, prompts, outputs, dtype: str, binding: dict[str, str],
-               kv_cache_gib: int, watch: LoadWatch) -> tuple[float, dict]:
+def bench_vllm(
+    python: Path,
+    model_dir: str,
+    prompts,
+    outputs,
+    dtype: str,
+    binding: dict[str, str],
+    kv_cache_gib: int,
+    watch: LoadWatch,
+) -> tuple[float, dict]:
     """vLLM's output tok/s on the workload, in its own virtualenv; also its runner's report
     (start-up time, what each of its processes did with the cores)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
@@ -240,8 +282,18 @@ def bench_vllm(python: Path, model_dir: str, prompts, outputs, dtype: str, bindi
     env.pop("VIRTUAL_ENV", None)
     with tempfile.TemporaryDirectory(prefix="vllm-peer-") as tmp:
         spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        spec.write_text(json.dumps({"model": model_dir, "dtype": dtype, "prompts": prompts, "outputs": outputs,
-                                    "quiet_below": watch.quiet_below, "quiet_deadline": watch.deadline}))
+        spec.write_text(
+            json.dumps(
+                {
+                    "model": model_dir,
+                    "dtype": dtype,
+                    "prompts": prompts,
+                    "outputs": outputs,
+                    "quiet_below": watch.quiet_below,
+                    "quiet_deadline": watch.deadline,
+                }
+            )
+        )
         done = subprocess.run([str(python), str(HERE / "vllm_peer_runner.py"), str(spec), str(result)], env=env)
         if done.returncode != 0:
             raise RuntimeError(f"vllm_peer_runner.py exited with {done.returncode} (its output is above)")
@@ -250,8 +302,9 @@ def bench_vllm(python: Path, model_dir: str, prompts, outputs, dtype: str, bindi
     return report["output_tokens_per_s"], report
 
 
-def print_table(rows: list[tuple[str, float]], baseline: float | None, peer: float | None = None,
-                loads: list[dict] | None = None) -> None:
+def print_table(
+    rows: list[tuple[str, float]], baseline: float | None, peer: float | None = None, loads: list[dict] | None = None
+) -> None:
     """One line per system: tok/s, ratio to the best transformers run (and the best vLLM run),
     and the load average before → after its timed run (* where waiting for quiet gave up)."""
     peer_head = f"{'vs vLLM':>10}" if peer else ""
@@ -272,17 +325,27 @@ def print_table(rows: list[tuple[str, float]], baseline: float | None, peer: flo
         print("* the machine never got quiet before the wait ran out; measured anyway")
 
 
-def write_json(path: str, workload: dict, rows: list[tuple[str, float]], baseline: float | None,
-               load_before: str, peer: float | None = None, loads: list[dict] | None = None,
-               details: dict[str, dict] | None = None) -> None:
+def write_json(
+    path: str,
+    workload: dict,
+    rows: list[tuple[str, float]],
+    baseline: float | None,
+    load_before: str,
+    peer: float | None = None,
+    loads: list[dict] | None = None,
+    details: dict[str, dict] | None = None,
+) -> None:
     report = {
         "machine": machine_info(load_before),
         "workload": workload,
         "rows": [],
     }
     for i, (name, tps) in enumerate(rows):
-        row = {"system": name, "output_tokens_per_s": round(tps, 2),
-               "vs_transformers": round(tps / baseline, 3) if baseline else None}
+        row = {
+            "system": name,
+            "output_tokens_per_s": round(tps, 2),
+            "vs_transformers": round(tps / baseline, 3) if baseline else None,
+        }
         if peer:
             row["vs_vllm"] = round(tps / peer, 3)
         if loads:
@@ -302,37 +365,81 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--input-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
-    parser.add_argument("--single-stream", action="store_true",
-                        help="one 248-token prompt, 128 new tokens (transformers at batch 1); overrides the "
-                             "workload and --hf-batch-sizes")
+    parser.add_argument(
+        "--single-stream",
+        action="store_true",
+        help="one 248-token prompt, 128 new tokens (transformers at batch 1); overrides the "
+        "workload and --hf-batch-sizes",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="bfloat16", help="engine dtype (and vLLM's, with --peer)")
-    parser.add_argument("--hf-dtypes", nargs="*", default=["bfloat16"],
-                        help="transformers dtypes (float32 is what it loads this checkpoint in by default; "
-                             "always slower here)")
-    parser.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[32, 64],
-                        help="transformers static batch sizes, each run over the whole workload (none: skip "
-                             "transformers)")
+    parser.add_argument(
+        "--hf-dtypes",
+        nargs="*",
+        default=["bfloat16"],
+        help="transformers dtypes (float32 is what it loads this checkpoint in by default; always slower here)",
+    )
+    parser.add_argument(
+        "--hf-batch-sizes",
+        type=int,
+        nargs="*",
+        default=[32, 64],
+        help="transformers static batch sizes, each run over the whole workload (none: skip transformers)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads for both sides (default: torch's own choice, the usable cores)")
-    parser.add_argument("--peer", choices=["vllm"], default=None,
-                        help="also run vLLM's CPU build (its defaults, then all cores bound) on the workload")
-    parser.add_argument("--vllm-bindings", nargs="+", default=list(vllm_bindings()), choices=list(vllm_bindings()),
-                        help="vLLM thread layouts to run with --peer vllm (default: both)")
-    parser.add_argument("--passes", type=int, default=1,
-                        help="engine passes over the workload in one engine, each with new prompts (another "
-                             "seed): pass 1 is what a user meets first, later passes show what is left to warm")
-    parser.add_argument("--engine-warm-up", action=argparse.BooleanOptionalAction, default=True,
-                        help="the engine's start-up warm-up (EngineConfig.warm_up)")
-    parser.add_argument("--vllm-venv", type=Path, default=VLLM_VENV,
-                        help="vLLM's virtualenv (default: .venv-vllm, built by 07_engine/make_vllm_venv.sh)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for both sides (default: torch's own choice, the usable cores)",
+    )
+    parser.add_argument(
+        "--peer",
+        choices=["vllm"],
+        default=None,
+        help="also run vLLM's CPU build (its defaults, then all cores bound) on the workload",
+    )
+    parser.add_argument(
+        "--vllm-bindings",
+        nargs="+",
+        default=list(vllm_bindings()),
+        choices=list(vllm_bindings()),
+        help="vLLM thread layouts to run with --peer vllm (default: both)",
+    )
+    parser.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="engine passes over the workload in one engine, each with new prompts (another "
+        "seed): pass 1 is what a user meets first, later passes show what is left to warm",
+    )
+    parser.add_argument(
+        "--engine-warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's start-up warm-up (EngineConfig.warm_up)",
+    )
+    parser.add_argument(
+        "--vllm-venv",
+        type=Path,
+        default=VLLM_VENV,
+        help="vLLM's virtualenv (default: .venv-vllm, built by 07_engine/make_vllm_venv.sh)",
+    )
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for vLLM")
-    parser.add_argument("--quiet-below", type=float, default=None, metavar="LOAD",
-                        help="before each timed run, wait until the 1-minute load average is below LOAD")
-    parser.add_argument("--quiet-timeout-min", type=float, default=45.0,
-                        help="total minutes to wait for quiet in one run before measuring anyway")
+    parser.add_argument(
+        "--quiet-below",
+        type=float,
+        default=None,
+        metavar="LOAD",
+        help="before each timed run, wait until the 1-minute load average is below LOAD",
+    )
+    parser.add_argument(
+        "--quiet-timeout-min",
+        type=float,
+        default=45.0,
+        help="total minutes to wait for quiet in one run before measuring anyway",
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON")
     args = parser.parse_args(argv)
     if args.hf_batch_sizes and min(args.hf_batch_sizes) < 1:
@@ -352,16 +459,29 @@ def run_gpu(args: argparse.Namespace, load_before: str) -> None:
     prompts, outputs = make_workload(256, (100, 1024), (100, 1024), 10000, args.seed)
     rows = []
     for eager in (True, False):
-        (tps,), _ = bench_engine(model_dir, prompts, outputs, 0.6, max_model_len=4096, enforce_eager=eager,
-                                 dtype="bfloat16")
+        (tps,), _ = bench_engine(
+            model_dir, prompts, outputs, 0.6, max_model_len=4096, enforce_eager=eager, dtype="bfloat16"
+        )
         rows.append((f"engine bf16 ({'eager' if eager else 'CUDA graphs'})", tps))
-    print(f"\n{torch.cuda.get_device_name()}, Qwen3-0.6B-shaped random weights, 256 seqs, in/out 100-1024; "
-          f"host {machine_line()}; load average before {load_before}, after {load_average()}")
+    print(
+        f"\n{torch.cuda.get_device_name()}, Qwen3-0.6B-shaped random weights, 256 seqs, in/out 100-1024; "
+        f"host {machine_line()}; load average before {load_before}, after {load_average()}"
+    )
     print_table(rows, None)
     if args.json:
-        write_json(args.json, {"model": "Qwen3-0.6B-shaped, random weights", "num_requests": 256,
-                               "input_len": [100, 1024], "output_len": [100, 1024], "temperature": 0.6},
-                   rows, None, load_before)
+        write_json(
+            args.json,
+            {
+                "model": "Qwen3-0.6B-shaped, random weights",
+                "num_requests": 256,
+                "input_len": [100, 1024],
+                "output_len": [100, 1024],
+                "temperature": 0.6,
+            },
+            rows,
+            None,
+            load_before,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -381,46 +501,61 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-    prompts, outputs = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab,
-                                     args.seed)
+    prompts, outputs = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
     watch = LoadWatch(args.quiet_below, time.time() + 60 * args.quiet_timeout_min)
     engine_kwargs = dict(dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs)
     if args.max_num_batched_tokens:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     engine_kwargs["warm_up"] = args.engine_warm_up
     # Later passes draw new prompts (another seed), so the prefix cache cannot serve them.
-    more = [make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed + i)
-            for i in range(1, args.passes)]
-    rates, startup_s = bench_engine(model_dir, prompts, outputs, 0.0, watch=watch, more_workloads=more,
-                                    **engine_kwargs)
+    more = [
+        make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed + i)
+        for i in range(1, args.passes)
+    ]
+    rates, startup_s = bench_engine(model_dir, prompts, outputs, 0.0, watch=watch, more_workloads=more, **engine_kwargs)
     engine_name = f"engine {args.dtype}{'' if args.engine_warm_up else ' (no start-up warm-up)'}"
     rows = [(engine_name + (f", pass {i + 1}" if args.passes > 1 else ""), tps) for i, tps in enumerate(rates)]
     details = {rows[0][0]: {"startup_s": round(startup_s, 2)}}
-    hf = [(f"transformers {d} (batch {b}, left pad)", bench_transformers(model_dir, prompts, outputs, d, b, watch))
-          for d in args.hf_dtypes for b in args.hf_batch_sizes]
+    hf = [
+        (f"transformers {d} (batch {b}, left pad)", bench_transformers(model_dir, prompts, outputs, d, b, watch))
+        for d in args.hf_dtypes
+        for b in args.hf_batch_sizes
+    ]
     peer = []
-    for label in (args.vllm_bindings if python else ()):
+    for label in args.vllm_bindings if python else ():
         binding = vllm_bindings()[label]
         name = f"vLLM {vllm_version(python)} CPU {args.dtype} ({label})"
-        tps, details[name] = bench_vllm(python, model_dir, prompts, outputs, args.dtype, binding,
-                                        args.vllm_kv_cache_gib, watch)
+        tps, details[name] = bench_vllm(
+            python, model_dir, prompts, outputs, args.dtype, binding, args.vllm_kv_cache_gib, watch
+        )
         peer.append((name, tps))
     best_hf = max((t for _, t in hf), default=None)
     best_peer = max((t for _, t in peer), default=None)
-    print(f"\n{args.num_requests} requests, prompts {args.input_len[0]}-{args.input_len[1]} tokens, "
-          f"{args.output_len[0]}-{args.output_len[1]} new tokens, greedy, ignore_eos\n{machine_line()}\n"
-          f"load average (1/5/15 min) before {load_before}, after {load_average()}")
+    print(
+        f"\n{args.num_requests} requests, prompts {args.input_len[0]}-{args.input_len[1]} tokens, "
+        f"{args.output_len[0]}-{args.output_len[1]} new tokens, greedy, ignore_eos\n{machine_line()}\n"
+        f"load average (1/5/15 min) before {load_before}, after {load_average()}"
+    )
     print_table(rows + hf + peer, best_hf, best_peer, watch.records)
     print(f"\nthe engine started in {startup_s:.1f} s (model load{' and warm-up' if args.engine_warm_up else ''})")
     for name, _ in peer:
         print_vllm_processes(name, details[name])
     if args.json:
-        workload = {"model": model_dir, "num_requests": args.num_requests, "input_len": list(args.input_len),
-                    "output_len": list(args.output_len), "seed": args.seed, "temperature": 0.0,
-                    "engine_dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-                    "hf_batch_sizes": args.hf_batch_sizes, "single_stream": args.single_stream,
-                    "engine_warm_up": args.engine_warm_up, "passes": args.passes,
-                    "quiet_below": args.quiet_below}
+        workload = {
+            "model": model_dir,
+            "num_requests": args.num_requests,
+            "input_len": list(args.input_len),
+            "output_len": list(args.output_len),
+            "seed": args.seed,
+            "temperature": 0.0,
+            "engine_dtype": args.dtype,
+            "max_num_seqs": args.max_num_seqs,
+            "hf_batch_sizes": args.hf_batch_sizes,
+            "single_stream": args.single_stream,
+            "engine_warm_up": args.engine_warm_up,
+            "passes": args.passes,
+            "quiet_below": args.quiet_below,
+        }
         write_json(args.json, workload, rows + hf + peer, best_hf, load_before, best_peer, watch.records, details)
 
 
@@ -435,8 +570,10 @@ def print_vllm_processes(name: str, report: dict) -> None:
     print(f"\n{name}: start-up {report['startup_s']:.1f} s; during the timed run:")
     for p in report["processes"]:
         threads = ", ".join(f"bound to {t['cores']} {t['busy']:.0%} busy" for t in p["busy_threads"])
-        print(f"  {p['name']:<18} {p['threads']:>3} threads, {p['cores_busy']:.2f} cores busy"
-              f"{': ' + threads if threads else ''}")
+        print(
+            f"  {p['name']:<18} {p['threads']:>3} threads, {p['cores_busy']:.2f} cores busy"
+            f"{': ' + threads if threads else ''}"
+        )
 
 
 if __name__ == "__main__":

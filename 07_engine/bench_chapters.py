@@ -110,8 +110,10 @@ def bench_prefix(args) -> dict:
         system = random_ids(engine, args.shared_len, 1)
         params = SamplingParams(temperature=0.0, max_tokens=args.prefix_new_tokens, ignore_eos=True)
         first = [("first", system + random_ids(engine, args.distinct_len, 2), params, 0)]
-        others = [(f"r{i}", system + random_ids(engine, args.distinct_len, 100 + i), params, 0)
-                  for i in range(args.prefix_requests)]
+        others = [
+            (f"r{i}", system + random_ids(engine, args.distinct_len, 100 + i), params, 0)
+            for i in range(args.prefix_requests)
+        ]
         timeline = run(engine, {0: first, 1: others})
         ids = [rid for rid, *_ in others]
         ttfts = [timeline.ttft(rid) for rid in ids]
@@ -119,18 +121,36 @@ def bench_prefix(args) -> dict:
         stats = engine.get_stats()
         computed = stats["prompt_tokens_total"] - stats["prefix_cache_hits"]
         rows["on" if caching else "off"] = dict(
-            ttft_mean_ms=1e3 * statistics.mean(ttfts), ttft_p99_ms=1e3 * percentile(ttfts, 99),
-            prefill_s=prefill, prompt_tokens_computed=computed, outputs=[timeline.outputs[r] for r in ids])
+            ttft_mean_ms=1e3 * statistics.mean(ttfts),
+            ttft_p99_ms=1e3 * percentile(ttfts, 99),
+            prefill_s=prefill,
+            prompt_tokens_computed=computed,
+            outputs=[timeline.outputs[r] for r in ids],
+        )
         engine.shutdown()
     same = agreement(rows["on"].pop("outputs"), rows["off"].pop("outputs"))
-    print(f"\nChapter 03, prefix caching: {args.prefix_requests} requests sharing a {args.shared_len}-token "
-          f"system prompt (+{args.distinct_len} own tokens, {args.prefix_new_tokens} new), after one "
-          "request that computed it")
-    table(["prefix caching", "TTFT mean ms", "TTFT p99 ms", "their prefill s", "prompt tokens computed"],
-          [[k, f"{r['ttft_mean_ms']:.0f}", f"{r['ttft_p99_ms']:.0f}", f"{r['prefill_s']:.2f}",
-            f"{r['prompt_tokens_computed']:,}"] for k, r in rows.items()])
-    print(f"requests with the same greedy tokens: {same}; TTFT "
-          f"{rows['off']['ttft_mean_ms'] / rows['on']['ttft_mean_ms']:.1f}x lower with the cache")
+    print(
+        f"\nChapter 03, prefix caching: {args.prefix_requests} requests sharing a {args.shared_len}-token "
+        f"system prompt (+{args.distinct_len} own tokens, {args.prefix_new_tokens} new), after one "
+        "request that computed it"
+    )
+    table(
+        ["prefix caching", "TTFT mean ms", "TTFT p99 ms", "their prefill s", "prompt tokens computed"],
+        [
+            [
+                k,
+                f"{r['ttft_mean_ms']:.0f}",
+                f"{r['ttft_p99_ms']:.0f}",
+                f"{r['prefill_s']:.2f}",
+                f"{r['prompt_tokens_computed']:,}",
+            ]
+            for k, r in rows.items()
+        ],
+    )
+    print(
+        f"requests with the same greedy tokens: {same}; TTFT "
+        f"{rows['off']['ttft_mean_ms'] / rows['on']['ttft_mean_ms']:.1f}x lower with the cache"
+    )
     return dict(rows, same_tokens=same)
 
 
@@ -146,23 +166,43 @@ def bench_chunked(args) -> dict:
         long_params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         for j in range(args.long_prompts):
             step = args.first_long_at + j * args.long_every
-            arrivals.setdefault(step, []).append((f"long{j}", random_ids(engine, args.long_len, 50 + j), long_params, 0))
+            arrivals.setdefault(step, []).append(
+                (f"long{j}", random_ids(engine, args.long_len, 50 + j), long_params, 0)
+            )
         timeline = run(engine, arrivals)
         decoders = [f"d{i}" for i in range(args.decoders)]
         itl = timeline.itls(decoders)
         long_ttft = [timeline.ttft(f"long{j}") for j in range(args.long_prompts)]
         rows["on" if chunked else "off"] = dict(
-            itl_p50_ms=1e3 * percentile(itl, 50), itl_p99_ms=1e3 * percentile(itl, 99), itl_max_ms=1e3 * max(itl),
-            long_ttft_mean_ms=1e3 * statistics.mean(long_ttft), outputs=[timeline.outputs[r] for r in decoders])
+            itl_p50_ms=1e3 * percentile(itl, 50),
+            itl_p99_ms=1e3 * percentile(itl, 99),
+            itl_max_ms=1e3 * max(itl),
+            long_ttft_mean_ms=1e3 * statistics.mean(long_ttft),
+            outputs=[timeline.outputs[r] for r in decoders],
+        )
         engine.shutdown()
     same = agreement(rows["on"].pop("outputs"), rows["off"].pop("outputs"))
-    print(f"\nChapter 06, chunked prefill: {args.decoders} requests decoding {args.decode_tokens} tokens while "
-          f"{args.long_prompts} prompts of {args.long_len} tokens arrive (chunks of {args.chunk} tokens when on)")
-    table(["chunked prefill", "decode ITL p50 ms", "ITL p99 ms", "ITL max ms", "long prompts' TTFT ms"],
-          [[k, f"{r['itl_p50_ms']:.0f}", f"{r['itl_p99_ms']:.0f}", f"{r['itl_max_ms']:.0f}",
-            f"{r['long_ttft_mean_ms']:.0f}"] for k, r in rows.items()])
-    print(f"decoding requests with the same greedy tokens: {same}; worst decode gap "
-          f"{rows['off']['itl_max_ms'] / rows['on']['itl_max_ms']:.1f}x shorter with chunks")
+    print(
+        f"\nChapter 06, chunked prefill: {args.decoders} requests decoding {args.decode_tokens} tokens while "
+        f"{args.long_prompts} prompts of {args.long_len} tokens arrive (chunks of {args.chunk} tokens when on)"
+    )
+    table(
+        ["chunked prefill", "decode ITL p50 ms", "ITL p99 ms", "ITL max ms", "long prompts' TTFT ms"],
+        [
+            [
+                k,
+                f"{r['itl_p50_ms']:.0f}",
+                f"{r['itl_p99_ms']:.0f}",
+                f"{r['itl_max_ms']:.0f}",
+                f"{r['long_ttft_mean_ms']:.0f}",
+            ]
+            for k, r in rows.items()
+        ],
+    )
+    print(
+        f"decoding requests with the same greedy tokens: {same}; worst decode gap "
+        f"{rows['off']['itl_max_ms'] / rows['on']['itl_max_ms']:.1f}x shorter with chunks"
+    )
     return dict(rows, same_tokens=same)
 
 
@@ -175,9 +215,15 @@ def copy_prompts(engine: LLMEngine, n: int) -> list[list[int]]:
     if engine.tokenizer is None:
         return [random_ids(engine, 16, 400 + i) * 4 for i in range(n)]
     texts = [f"Copy this code verbatim:\n\n{COPY_TEXT.replace('a', chr(ord('a') + i))}" for i in range(n)]
-    return [engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True), add_special_tokens=False)
-        for t in texts]
+    return [
+        engine.tokenizer.encode(
+            engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )
+        for t in texts
+    ]
 
 
 def bench_spec(args) -> dict:
@@ -194,8 +240,10 @@ def bench_spec(args) -> dict:
             drafts, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
             tokens = sum(len(v) for v in timeline.outputs.values())
             rows[f"batch {batch}, {'ngram k=' + str(args.spec_k) if spec else 'off'}"] = dict(
-                tok_s=tokens / elapsed, acceptance=accepted / drafts if drafts else None,
-                outputs=[timeline.outputs[f"r{i}"] for i in range(batch)])
+                tok_s=tokens / elapsed,
+                acceptance=accepted / drafts if drafts else None,
+                outputs=[timeline.outputs[f"r{i}"] for i in range(batch)],
+            )
             engine.shutdown()
     for key, r in rows.items():  # compared with the same batch size without speculation
         base = rows[key.split(",")[0] + ", off"]
@@ -203,11 +251,23 @@ def bench_spec(args) -> dict:
         r["same_tokens"] = agreement(r["outputs"], base["outputs"])
     for r in rows.values():
         del r["outputs"]
-    print(f"\nChapter 05, n-gram speculative decoding on prompts that copy code, greedy, "
-          f"{args.spec_tokens} new tokens each")
-    table(["run", "output tok/s", "acceptance", "speed-up", "same greedy tokens"],
-          [[k, f"{r['tok_s']:.1f}", "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}",
-            f"{r['speed_up']:.2f}x", r["same_tokens"]] for k, r in rows.items()])
+    print(
+        f"\nChapter 05, n-gram speculative decoding on prompts that copy code, greedy, "
+        f"{args.spec_tokens} new tokens each"
+    )
+    table(
+        ["run", "output tok/s", "acceptance", "speed-up", "same greedy tokens"],
+        [
+            [
+                k,
+                f"{r['tok_s']:.1f}",
+                "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}",
+                f"{r['speed_up']:.2f}x",
+                r["same_tokens"],
+            ]
+            for k, r in rows.items()
+        ],
+    )
     return rows
 
 
@@ -215,26 +275,35 @@ def bench_spec(args) -> dict:
 def bench_priority(args) -> dict:
     rows = {}
     for policy in ("fcfs", "priority"):
-        engine = make_engine(args, scheduling_policy=policy, max_num_seqs=args.max_num_seqs,
-                             enable_prefix_caching=False)
+        engine = make_engine(
+            args, scheduling_policy=policy, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False
+        )
         params = SamplingParams(temperature=0.0, max_tokens=args.priority_tokens, ignore_eos=True)
         arrivals = {0: [(f"low{i}", random_ids(engine, 64, 200 + i), params, 1) for i in range(args.low_requests)]}
-        arrivals[args.high_at] = [(f"high{i}", random_ids(engine, 64, 300 + i), params, 0)
-                                  for i in range(args.high_requests)]
+        arrivals[args.high_at] = [
+            (f"high{i}", random_ids(engine, 64, 300 + i), params, 0) for i in range(args.high_requests)
+        ]
         timeline = run(engine, arrivals)
         high = [f"high{i}" for i in range(args.high_requests)]
         low = [f"low{i}" for i in range(args.low_requests)]
         rows[policy] = dict(
             high_ttft_mean_s=statistics.mean(timeline.ttft(r) for r in high),
             high_e2e_mean_s=statistics.mean(timeline.e2e(r) for r in high),
-            low_e2e_mean_s=statistics.mean(timeline.e2e(r) for r in low))
+            low_e2e_mean_s=statistics.mean(timeline.e2e(r) for r in low),
+        )
         engine.shutdown()
-    print(f"\nChapter 04, priority scheduling: {args.low_requests} low-priority requests (priority 1), then "
-          f"{args.high_requests} high-priority ones (priority 0) at step {args.high_at}; max_num_seqs "
-          f"{args.max_num_seqs}, {args.priority_tokens} new tokens each")
-    table(["scheduling_policy", "high TTFT mean s", "high end-to-end s", "low end-to-end s"],
-          [[k, f"{r['high_ttft_mean_s']:.2f}", f"{r['high_e2e_mean_s']:.2f}", f"{r['low_e2e_mean_s']:.2f}"]
-           for k, r in rows.items()])
+    print(
+        f"\nChapter 04, priority scheduling: {args.low_requests} low-priority requests (priority 1), then "
+        f"{args.high_requests} high-priority ones (priority 0) at step {args.high_at}; max_num_seqs "
+        f"{args.max_num_seqs}, {args.priority_tokens} new tokens each"
+    )
+    table(
+        ["scheduling_policy", "high TTFT mean s", "high end-to-end s", "low end-to-end s"],
+        [
+            [k, f"{r['high_ttft_mean_s']:.2f}", f"{r['high_e2e_mean_s']:.2f}", f"{r['low_e2e_mean_s']:.2f}"]
+            for k, r in rows.items()
+        ],
+    )
     return rows
 
 
@@ -255,8 +324,12 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return {"cpu": cpu_name(), "flags": [w for w in wanted if f" {w}" in flags],
-            "torch_threads": torch.get_num_threads(), "load_average_before": load_average()}
+    return {
+        "cpu": cpu_name(),
+        "flags": [w for w in wanted if f" {w}" in flags],
+        "torch_threads": torch.get_num_threads(),
+        "load_average_before": load_average(),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -295,8 +368,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     args.model = args.model or default_model_dir()
     info = machine()
-    print(f"{info['cpu']} ({' '.join(info['flags']) or 'no avx'}), {os.cpu_count()} cores, torch threads "
-          f"{info['torch_threads']}, load average {info['load_average_before']}; model {args.model}")
+    print(
+        f"{info['cpu']} ({' '.join(info['flags']) or 'no avx'}), {os.cpu_count()} cores, torch threads "
+        f"{info['torch_threads']}, load average {info['load_average_before']}; model {args.model}"
+    )
     results = {"machine": info, "args": {k: v for k, v in vars(args).items() if k != "json"}}
     for name in tqdm(args.only, desc="benchmarks", disable=len(args.only) == 1):
         results[name] = globals()[f"bench_{name}"](args)

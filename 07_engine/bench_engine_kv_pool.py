@@ -38,8 +38,9 @@ def instance(spec: dict) -> dict:
     from vllm_from_scratch import SamplingParams
     from vllm_from_scratch.engine import LLMEngine
 
-    kwargs = dict(device="cpu", dtype=spec["dtype"], max_model_len=spec["max_model_len"],
-                  kvcache_block_size=spec["block_size"])
+    kwargs = dict(
+        device="cpu", dtype=spec["dtype"], max_model_len=spec["max_model_len"], kvcache_block_size=spec["block_size"]
+    )
     if spec.get("pool"):
         kwargs["kv_transfer_config"] = spec["pool"]
     engine = LLMEngine(spec["model"], **kwargs)
@@ -56,7 +57,8 @@ def instance(spec: dict) -> dict:
     delta = {k: v - stats_before.get(k, 0) for k, v in stats.items()}
     loaded_tokens = delta.get("kv_pool_loaded_blocks", 0) * engine.config.kvcache_block_size
     report = {
-        "ttft_mean_s": statistics.mean(ttfts), "ttft_p99_s": percentile(ttfts, 99),
+        "ttft_mean_s": statistics.mean(ttfts),
+        "ttft_p99_s": percentile(ttfts, 99),
         "prefill_s": max(timeline.token_times[r][0] for r in ids) - min(timeline.arrival.values()),
         "prompt_tokens": delta["prompt_tokens_total"],
         "prompt_tokens_computed": delta["prompt_tokens_total"] - delta["prefix_cache_hits"] - loaded_tokens,
@@ -68,8 +70,12 @@ def instance(spec: dict) -> dict:
 
 
 def run_instance(spec: dict) -> dict:
-    proc = subprocess.run([sys.executable, str(Path(__file__)), "--instance", json.dumps(spec)],
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__)), "--instance", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"instance failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -85,16 +91,42 @@ def workload(vocab: int, args) -> tuple[list[int], list[list[int]]]:
 
 
 def serve_args(model: str, args, pool: dict | None) -> list[str]:
-    argv = ["vllm_from_scratch.serve", model, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-            "--block-size", str(args.block_size), "--log-level", "warning"]
+    argv = [
+        "vllm_from_scratch.serve",
+        model,
+        "--dtype",
+        args.dtype,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--block-size",
+        str(args.block_size),
+        "--log-level",
+        "warning",
+    ]
     return argv + (["--kv-transfer-config", json.dumps(pool)] if pool else [])
 
 
 def load_test(url: str, args, out: Path) -> dict:
     """07_engine/load_generator.py (``vllm bench serve``'s measurements) against ``url``."""
-    cmd = [sys.executable, str(HERE / "load_generator.py"), "--base-url", url, "--num-requests", str(args.pd_requests),
-           "--request-rate", str(args.pd_rate), "--input-len", args.pd_input_len, "--output-len", args.pd_output_len,
-           "--seed", str(args.seed), "--quiet", "--result-json", str(out)]
+    cmd = [
+        sys.executable,
+        str(HERE / "load_generator.py"),
+        "--base-url",
+        url,
+        "--num-requests",
+        str(args.pd_requests),
+        "--request-rate",
+        str(args.pd_rate),
+        "--input-len",
+        args.pd_input_len,
+        "--output-len",
+        args.pd_output_len,
+        "--seed",
+        str(args.seed),
+        "--quiet",
+        "--result-json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"load generator failed:\n{proc.stderr[-3000:]}")
@@ -106,24 +138,43 @@ def prefill_decode(model: str, args, master, tmp: Path) -> dict:
     decode instance (one core each) behind the proxy."""
     from server_testing import ServerProcess
 
-    pool = {"kv_connector": "mooncake", "master_server_address": master.master_addr,
-            "metadata_server": master.metadata_url, "global_segment_size": 0}
+    pool = {
+        "kv_connector": "mooncake",
+        "master_server_address": master.master_addr,
+        "metadata_server": master.metadata_url,
+        "global_segment_size": 0,
+    }
     results = {}
     with ServerProcess(serve_args(model, args, None), env={"OMP_NUM_THREADS": "2"}) as single:
         results["one instance (2 cores)"] = load_test(single.url, args, tmp / "single.json")
     one_core = {"OMP_NUM_THREADS": "1"}
-    with ServerProcess(serve_args(model, args, {**pool, "kv_role": "kv_producer"}), env=one_core) as prefill, \
-            ServerProcess(serve_args(model, args, {**pool, "kv_role": "kv_consumer"}), env=one_core) as decode, \
-            ServerProcess(["vllm_from_scratch.disagg_proxy", "--prefill", prefill.url, "--decode", decode.url,
-                           "--log-level", "warning"]) as proxy:
+    with (
+        ServerProcess(serve_args(model, args, {**pool, "kv_role": "kv_producer"}), env=one_core) as prefill,
+        ServerProcess(serve_args(model, args, {**pool, "kv_role": "kv_consumer"}), env=one_core) as decode,
+        ServerProcess(
+            [
+                "vllm_from_scratch.disagg_proxy",
+                "--prefill",
+                prefill.url,
+                "--decode",
+                decode.url,
+                "--log-level",
+                "warning",
+            ]
+        ) as proxy,
+    ):
         results["prefill + decode (1 core each)"] = load_test(proxy.url, args, tmp / "pd.json")
-    print(f"\nP/D: {args.pd_requests} requests at {args.pd_rate}/s, prompts {args.pd_input_len} tokens, "
-          f"{args.pd_output_len} new")
+    print(
+        f"\nP/D: {args.pd_requests} requests at {args.pd_rate}/s, prompts {args.pd_input_len} tokens, "
+        f"{args.pd_output_len} new"
+    )
     print("| setup | TTFT mean ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['mean_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | {r['median_itl_ms']:.0f} | "
-              f"{r['p99_itl_ms']:.0f} | {r['output_throughput']:.1f} |")
+        print(
+            f"| {name} | {r['mean_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | {r['median_itl_ms']:.0f} | "
+            f"{r['p99_itl_ms']:.0f} | {r['output_throughput']:.1f} |"
+        )
     return results
 
 
@@ -159,17 +210,29 @@ def main(argv: list[str] | None = None) -> None:
 
     model = args.model or default_model_dir()
     system, prompts = workload(AutoConfig.from_pretrained(model).vocab_size, args)
-    base = dict(model=model, dtype=args.dtype, max_model_len=args.max_model_len, new_tokens=args.new_tokens,
-                block_size=args.block_size)
-    print(f"{cpu_name()}; load average {load_average()}; {args.requests} requests sharing a {args.shared_len}-token "
-          f"system prompt (+{args.distinct_len} own tokens), {args.new_tokens} new tokens each")
+    base = dict(
+        model=model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        new_tokens=args.new_tokens,
+        block_size=args.block_size,
+    )
+    print(
+        f"{cpu_name()}; load average {load_average()}; {args.requests} requests sharing a {args.shared_len}-token "
+        f"system prompt (+{args.distinct_len} own tokens), {args.new_tokens} new tokens each"
+    )
     with MooncakeMaster() as master, MooncakeClient(master, segment_size="1 GB"):
-        pool = {"kv_connector": "mooncake", "master_server_address": master.master_addr,
-                "metadata_server": master.metadata_url, "global_segment_size": 0}
+        pool = {
+            "kv_connector": "mooncake",
+            "master_server_address": master.master_addr,
+            "metadata_server": master.metadata_url,
+            "global_segment_size": 0,
+        }
         cold = run_instance({**base, "prompts": prompts})
         t0 = time.perf_counter()
-        producer = run_instance({**base, "prompts": [system + prompts[0][len(system):]],
-                                 "pool": {**pool, "kv_role": "kv_producer"}})
+        producer = run_instance(
+            {**base, "prompts": [system + prompts[0][len(system) :]], "pool": {**pool, "kv_role": "kv_producer"}}
+        )
         producer_s = time.perf_counter() - t0
         consumer = run_instance({**base, "prompts": prompts, "pool": {**pool, "kv_role": "kv_consumer"}})
         if args.pd:
@@ -182,23 +245,33 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|")
     for name, r in (("cold (no pool)", cold), ("B (loads from the pool)", consumer)):
         loaded = r["pool"].get("kv_pool_loaded_blocks", 0)
-        print(f"| {name} | {r['ttft_mean_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['prefill_s']:.2f} | "
-              f"{r['prompt_tokens_computed']:,} of {r['prompt_tokens']:,} | {loaded} blocks, "
-              f"{r['pool'].get('kv_pool_loaded_bytes', 0) / 2**20:.1f} MiB |")
-    print(f"greedy tokens identical in {num_same} of {args.requests} requests; A published {producer['pool'].get('kv_pool_saved_blocks', 0)} blocks "
-          f"(its process: {producer_s:.1f} s with start-up)")
+        print(
+            f"| {name} | {r['ttft_mean_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['prefill_s']:.2f} | "
+            f"{r['prompt_tokens_computed']:,} of {r['prompt_tokens']:,} | {loaded} blocks, "
+            f"{r['pool'].get('kv_pool_loaded_bytes', 0) / 2**20:.1f} MiB |"
+        )
+    print(
+        f"greedy tokens identical in {num_same} of {args.requests} requests; A published {producer['pool'].get('kv_pool_saved_blocks', 0)} blocks "
+        f"(its process: {producer_s:.1f} s with start-up)"
+    )
     pool = consumer["pool"]
     block_bytes = pool["kv_pool_loaded_bytes"] / max(pool["kv_pool_loaded_blocks"], 1)
     load_blocks_s = pool["kv_pool_loaded_blocks"] / max(pool["kv_pool_load_seconds"], 1e-9)
     prefill_tokens_s = cold["prompt_tokens_computed"] / cold["prefill_s"]
-    print(f"break-even: one block is {block_bytes / 1024:.0f} KiB; loaded at {load_blocks_s:,.0f} blocks/s "
-          f"({load_blocks_s * block_bytes / 2**20:,.0f} MiB/s), computed at {prefill_tokens_s:,.0f} prompt tokens/s "
-          f"= {prefill_tokens_s / args.block_size:,.0f} blocks/s: loading is "
-          f"{load_blocks_s / (prefill_tokens_s / args.block_size):.1f}x faster per block on this machine")
-    report = {"machine": {"cpu": cpu_name(), "load_average_after": load_average()}, "args": vars(args),
-              "cold": {k: v for k, v in cold.items() if k != "outputs"},
-              "consumer": {k: v for k, v in consumer.items() if k != "outputs"},
-              "producer": producer["pool"], "requests_with_identical_tokens": num_same}
+    print(
+        f"break-even: one block is {block_bytes / 1024:.0f} KiB; loaded at {load_blocks_s:,.0f} blocks/s "
+        f"({load_blocks_s * block_bytes / 2**20:,.0f} MiB/s), computed at {prefill_tokens_s:,.0f} prompt tokens/s "
+        f"= {prefill_tokens_s / args.block_size:,.0f} blocks/s: loading is "
+        f"{load_blocks_s / (prefill_tokens_s / args.block_size):.1f}x faster per block on this machine"
+    )
+    report = {
+        "machine": {"cpu": cpu_name(), "load_average_after": load_average()},
+        "args": vars(args),
+        "cold": {k: v for k, v in cold.items() if k != "outputs"},
+        "consumer": {k: v for k, v in consumer.items() if k != "outputs"},
+        "producer": producer["pool"],
+        "requests_with_identical_tokens": num_same,
+    }
     if args.pd:
         report["prefill_decode"] = pd
     if args.json:

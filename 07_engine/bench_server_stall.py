@@ -40,14 +40,16 @@ from server_testing import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 ATTACKS = ("text-8mb", "text-limit", "floats-limit", "chat-limit")
-WORDS = ("the of and to in is was that for it with as his on be at by had are but from or have an they "
-         "which one you were all we her she there would their will when who him been has more if no "
-         "out so said what up its about into than them can only other time new some could these two "
-         "may first then do any like my now over such our man me even most made after also did many "
-         "before must through back years where much your way well down should because each just "
-         "those people how too little state good very make world still own see men work long get "
-         "here between both life being under never day same another know while last might us great "
-         "old year off come since against go came right used take three").split()
+WORDS = (
+    "the of and to in is was that for it with as his on be at by had are but from or have an they "
+    "which one you were all we her she there would their will when who him been has more if no "
+    "out so said what up its about into than them can only other time new some could these two "
+    "may first then do any like my now over such our man me even most made after also did many "
+    "before must through back years where much your way well down should because each just "
+    "those people how too little state good very make world still own see men work long get "
+    "here between both life being under never day same another know while last might us great "
+    "old year off come since against go came right used take three"
+).split()
 
 
 @dataclass
@@ -118,8 +120,14 @@ class Streamer(threading.Thread):
         self.error: str | None = None
 
     def run(self) -> None:
-        body = {"model": self.model, "prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": self.model,
+            "prompt": "Once upon a time",
+            "max_tokens": 3000,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         try:
             with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=120) as resp:
                 for line in resp.iter_lines():
@@ -146,8 +154,9 @@ def longest_gap(times: list[float], start: float, end: float) -> float:
 
 def post(url: str, attack: Attack) -> str:
     try:
-        resp = httpx.post(url + attack.path, content=attack.body, timeout=300,
-                          headers={"content-type": "application/json"})
+        resp = httpx.post(
+            url + attack.path, content=attack.body, timeout=300, headers={"content-type": "application/json"}
+        )
         return f"{resp.status_code} ({len(resp.content)} B)"
     except httpx.HTTPError as exc:
         return type(exc).__name__
@@ -167,8 +176,9 @@ def run_attack(url: str, model: str, attack: Attack, num_posts: int, baseline_s:
     streamer.join(30)
     times = streamer.times
     before = [t for t in times if t <= start]  # the baseline: gaps that ended before the posts
-    return Outcome(attack.name, longest_gap(before, before[0], before[-1]), longest_gap(times, start, end),
-                   end - start, statuses)
+    return Outcome(
+        attack.name, longest_gap(before, before[0], before[-1]), longest_gap(times, start, end), end - start, statuses
+    )
 
 
 def cpu_model() -> str:
@@ -180,14 +190,17 @@ def cpu_model() -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tree", type=Path, default=REPO,
-                   help="repository checkout whose server runs (default: this one)")
+    p.add_argument("--tree", type=Path, default=REPO, help="repository checkout whose server runs (default: this one)")
     p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, from {', '.join(ATTACKS)}")
     p.add_argument("--num-posts", type=int, default=3, help="concurrent posts per attack")
     p.add_argument("--repeat", type=int, default=1, help="run the list of attacks this many times")
     p.add_argument("--max-model-len", type=int, default=4096, help="passed to the server")
-    p.add_argument("--limit-bytes", type=int, default=None,
-                   help="size of the -limit attacks' bodies, +64 (default: the server's default limit)")
+    p.add_argument(
+        "--limit-bytes",
+        type=int,
+        default=None,
+        help="size of the -limit attacks' bodies, +64 (default: the server's default limit)",
+    )
     p.add_argument("--baseline-seconds", type=float, default=2.0, help="streaming before the posts")
     p.add_argument("--server-args", default="", help="more flags for the server, one string")
     return p.parse_args(argv)
@@ -201,18 +214,24 @@ def main(argv=None) -> list[Outcome]:
     attacks = [make_attack(kind, limit) for kind in args.attacks.split(",")]
     server_args = ["--max-model-len", str(args.max_model_len), *shlex.split(args.server_args)]
     outcomes = []
-    with ServerProcess(["vllm_from_scratch.serve", "--log-level", "warning", *server_args],
-                       env=tree_env(args.tree.resolve())) as server:
+    with ServerProcess(
+        ["vllm_from_scratch.serve", "--log-level", "warning", *server_args], env=tree_env(args.tree.resolve())
+    ) as server:
         url = server.url
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         print(f"tree {args.tree}  cpu {cpu_model()} x{os.cpu_count()}  {args.num_posts} posts per attack")
-        print(f"{'attack':<14}{'body':>10}{'baseline gap':>14}{'gap under attack':>18}{'posts took':>12}"
-              f"  load avg   answers")
+        print(
+            f"{'attack':<14}{'body':>10}{'baseline gap':>14}{'gap under attack':>18}{'posts took':>12}"
+            f"  load avg   answers"
+        )
         for attack in attacks * args.repeat:
             o = run_attack(url, model, attack, args.num_posts, args.baseline_seconds)
             load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-            print(f"{o.name:<14}{len(attack.body) / 2**20:>8.2f}MB{o.baseline_gap:>13.3f}s{o.attack_gap:>17.3f}s"
-                  f"{o.attack_seconds:>11.2f}s  {load}  {', '.join(o.statuses)}", flush=True)
+            print(
+                f"{o.name:<14}{len(attack.body) / 2**20:>8.2f}MB{o.baseline_gap:>13.3f}s{o.attack_gap:>17.3f}s"
+                f"{o.attack_seconds:>11.2f}s  {load}  {', '.join(o.statuses)}",
+                flush=True,
+            )
             outcomes.append(o)
     return outcomes
 

@@ -35,8 +35,13 @@ from server_testing import ServerProcess
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "vllm_peer_runner.py"
 # (column, key in vllm bench serve's result file)
-METRICS = (("output tok/s", "output_throughput"), ("TTFT p50 ms", "median_ttft_ms"), ("TTFT p99 ms", "p99_ttft_ms"),
-           ("TPOT mean ms", "mean_tpot_ms"), ("ITL p99 ms", "p99_itl_ms"))
+METRICS = (
+    ("output tok/s", "output_throughput"),
+    ("TTFT p50 ms", "median_ttft_ms"),
+    ("TTFT p99 ms", "p99_ttft_ms"),
+    ("TPOT mean ms", "mean_tpot_ms"),
+    ("ITL p99 ms", "p99_itl_ms"),
+)
 
 
 class VenvServer(ServerProcess):
@@ -50,14 +55,39 @@ class VenvServer(ServerProcess):
         self.env = {k: v for k, v in self.env.items() if k not in inherited - set(env)}
 
 
-def client_flags(url: str, model: str, tokenizer: str, args: argparse.Namespace, seed: int, num_prompts: int,
-                 result: Path | None) -> list[str]:
+def client_flags(
+    url: str, model: str, tokenizer: str, args: argparse.Namespace, seed: int, num_prompts: int, result: Path | None
+) -> list[str]:
     """``vllm bench serve`` flags for one run against ``url`` (``result``: save it there)."""
-    flags = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model,
-             "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(args.input_len),
-             "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts),
-             "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--seed", str(seed),
-             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
+    flags = [
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        model,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(num_prompts),
+        "--max-concurrency",
+        str(args.max_concurrency),
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+    ]
     if result is not None:
         flags += ["--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
     return flags
@@ -74,8 +104,9 @@ def run_client(python: Path, flags: list[str]) -> None:
         raise RuntimeError(f"vllm bench serve exited with {done.returncode} (its output is above)")
 
 
-def measure(server: ServerProcess, python: Path, model_dir: str, args: argparse.Namespace, watch: LoadWatch,
-            tmp: Path, tag: str) -> dict:
+def measure(
+    server: ServerProcess, python: Path, model_dir: str, args: argparse.Namespace, watch: LoadWatch, tmp: Path, tag: str
+) -> dict:
     """Warm ``server`` up on other prompts, wait for quiet, run the measured load; vLLM's result."""
     with server:
         name = served_model(server.url)
@@ -98,8 +129,11 @@ def print_table(results: dict[str, dict]) -> None:
     for name, r in results.items():
         load = r["load"]
         gave_up = "*" if load.get("quiet") is False else ""
-        print(f"{name:<44}" + "".join(f"{r[key]:>14.1f}" for _, key in METRICS)
-              + f"  {load['load_before'].split()[0]} -> {load['load_after'].split()[0]}{gave_up}")
+        print(
+            f"{name:<44}"
+            + "".join(f"{r[key]:>14.1f}" for _, key in METRICS)
+            + f"  {load['load_before'].split()[0]} -> {load['load_after'].split()[0]}{gave_up}"
+        )
     if any(r["load"].get("quiet") is False for r in results.values()):
         print("* the machine never got quiet before the wait ran out; measured anyway")
 
@@ -112,10 +146,13 @@ def verdict(results: dict[str, dict]) -> dict:
         return {}
     best_name = max(peers, key=lambda k: peers[k]["output_throughput"])
     best = peers[best_name]
-    return {"against": best_name, "throughput_ratio": round(ours["output_throughput"] / best["output_throughput"], 3),
-            "p99_ttft_ms": [round(ours["p99_ttft_ms"], 1), round(best["p99_ttft_ms"], 1)],
-            "throughput_target_1_5x_met": ours["output_throughput"] >= 1.5 * best["output_throughput"],
-            "p99_ttft_no_worse": ours["p99_ttft_ms"] <= best["p99_ttft_ms"]}
+    return {
+        "against": best_name,
+        "throughput_ratio": round(ours["output_throughput"] / best["output_throughput"], 3),
+        "p99_ttft_ms": [round(ours["p99_ttft_ms"], 1), round(best["p99_ttft_ms"], 1)],
+        "throughput_target_1_5x_met": ours["output_throughput"] >= 1.5 * best["output_throughput"],
+        "p99_ttft_no_worse": ours["p99_ttft_ms"] <= best["p99_ttft_ms"],
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -128,17 +165,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-concurrency", type=int, default=16)
     parser.add_argument("--warmup-prompts", type=int, default=16, help="warm-up prompts (seed + 1)")
     parser.add_argument("--seed", type=int, default=0, help="the measured run's seed")
-    parser.add_argument("--vllm-bindings", nargs="+", default=list(vllm_bindings()),
-                        choices=list(vllm_bindings()), help="vLLM server thread layouts to run")
-    parser.add_argument("--vllm-venv", type=Path, default=VLLM_VENV,
-                        help="vLLM's virtualenv (default: .venv-vllm, built by 07_engine/make_vllm_venv.sh)")
+    parser.add_argument(
+        "--vllm-bindings",
+        nargs="+",
+        default=list(vllm_bindings()),
+        choices=list(vllm_bindings()),
+        help="vLLM server thread layouts to run",
+    )
+    parser.add_argument(
+        "--vllm-venv",
+        type=Path,
+        default=VLLM_VENV,
+        help="vLLM's virtualenv (default: .venv-vllm, built by 07_engine/make_vllm_venv.sh)",
+    )
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for vLLM")
-    parser.add_argument("--startup-timeout-s", type=float, default=900.0,
-                        help="per server; vLLM compiles its model at start-up (minutes on 2 cores)")
-    parser.add_argument("--quiet-below", type=float, default=None, metavar="LOAD",
-                        help="before each measured run, wait until the 1-minute load average is below LOAD")
-    parser.add_argument("--quiet-timeout-min", type=float, default=45.0,
-                        help="total minutes to wait for quiet in one run before measuring anyway")
+    parser.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=900.0,
+        help="per server; vLLM compiles its model at start-up (minutes on 2 cores)",
+    )
+    parser.add_argument(
+        "--quiet-below",
+        type=float,
+        default=None,
+        metavar="LOAD",
+        help="before each measured run, wait until the 1-minute load average is below LOAD",
+    )
+    parser.add_argument(
+        "--quiet-timeout-min",
+        type=float,
+        default=45.0,
+        help="total minutes to wait for quiet in one run before measuring anyway",
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     return parser.parse_args(argv)
 
@@ -151,31 +210,50 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir = args.model or default_model_dir()
     load_before = load_average()
     watch = LoadWatch(args.quiet_below, time.time() + 60 * args.quiet_timeout_min)
-    servers = {"our server": ServerProcess(["vllm_from_scratch.serve", model_dir, "--dtype", args.dtype,
-                                            "--device", "cpu", "--log-level", "warning"],
-                                           startup_timeout_s=args.startup_timeout_s)}
+    servers = {
+        "our server": ServerProcess(
+            ["vllm_from_scratch.serve", model_dir, "--dtype", args.dtype, "--device", "cpu", "--log-level", "warning"],
+            startup_timeout_s=args.startup_timeout_s,
+        )
+    }
     for label in args.vllm_bindings:
-        env = {**vllm_bindings()[label], "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_cache_gib),
-               "VLLM_LOGGING_LEVEL": "WARNING"}
+        env = {
+            **vllm_bindings()[label],
+            "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_cache_gib),
+            "VLLM_LOGGING_LEVEL": "WARNING",
+        }
         servers[f"vllm serve ({label})"] = VenvServer(
-            python, ["vllm.entrypoints.launchers.api_server.entry", "--model", model_dir, "--dtype", args.dtype],
-            env, args.startup_timeout_s)
+            python,
+            ["vllm.entrypoints.launchers.api_server.entry", "--model", model_dir, "--dtype", args.dtype],
+            env,
+            args.startup_timeout_s,
+        )
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         for name, server in servers.items():
             results[name] = measure(server, python, model_dir, args, watch, Path(tmp), name)
-    print(f"\nvllm bench serve: {args.num_prompts} prompts of {args.input_len} random tokens, {args.output_len} "
-          f"new, max concurrency {args.max_concurrency}, ignore_eos, streaming, {args.dtype}\n{machine_line()}\n"
-          f"load average (1/5/15 min) before {load_before}, after {load_average()}")
+    print(
+        f"\nvllm bench serve: {args.num_prompts} prompts of {args.input_len} random tokens, {args.output_len} "
+        f"new, max concurrency {args.max_concurrency}, ignore_eos, streaming, {args.dtype}\n{machine_line()}\n"
+        f"load average (1/5/15 min) before {load_before}, after {load_average()}"
+    )
     print_table(results)
     check = verdict(results)
     if check:
-        print(f"\nour server / {check['against']}: {check['throughput_ratio']:.2f}x output tok/s; "
-              f"p99 TTFT {check['p99_ttft_ms'][0]:.0f} vs {check['p99_ttft_ms'][1]:.0f} ms")
-    report = {"machine": machine_info(load_before), "vllm_python": str(python),
-              "workload": {k: getattr(args, k) for k in ("input_len", "output_len", "num_prompts", "max_concurrency",
-                                                         "warmup_prompts", "seed", "dtype")},
-              "results": results, "verdict": check}
+        print(
+            f"\nour server / {check['against']}: {check['throughput_ratio']:.2f}x output tok/s; "
+            f"p99 TTFT {check['p99_ttft_ms'][0]:.0f} vs {check['p99_ttft_ms'][1]:.0f} ms"
+        )
+    report = {
+        "machine": machine_info(load_before),
+        "vllm_python": str(python),
+        "workload": {
+            k: getattr(args, k)
+            for k in ("input_len", "output_len", "num_prompts", "max_concurrency", "warmup_prompts", "seed", "dtype")
+        },
+        "results": results,
+        "verdict": check,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")

@@ -40,6 +40,7 @@ def run(model_dir: str, prompts, outputs, trace_path: str | None, **engine_kwarg
             t = time.perf_counter()
             on_step(*args)
             spent[0] += time.perf_counter() - t
+
         engine.tracer.on_step = timed
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in outputs]
     start = time.perf_counter()
@@ -47,8 +48,13 @@ def run(model_dir: str, prompts, outputs, trace_path: str | None, **engine_kwarg
     elapsed = time.perf_counter() - start
     steps = engine.scheduler.num_steps
     llm.shutdown()
-    return {"tok_s": sum(outputs) / elapsed, "elapsed": elapsed, "tracer_s": spent[0], "steps": steps,
-            "bytes": os.path.getsize(trace_path) if trace_path else 0}
+    return {
+        "tok_s": sum(outputs) / elapsed,
+        "elapsed": elapsed,
+        "tracer_s": spent[0],
+        "steps": steps,
+        "bytes": os.path.getsize(trace_path) if trace_path else 0,
+    }
 
 
 def main() -> None:
@@ -66,19 +72,26 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model_dir = default_model_dir()
     prompts, outputs = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), 49152, 0)
-    print(f"{args.num_requests} requests, prompts {args.input_len[0]}-{args.input_len[1]} tokens, "
-          f"{sum(outputs)} output tokens; {cpu_name()}, {os.cpu_count()} cores, torch threads "
-          f"{torch.get_num_threads()}, {platform.python_version()}, load {load_average()}")
+    print(
+        f"{args.num_requests} requests, prompts {args.input_len[0]}-{args.input_len[1]} tokens, "
+        f"{sum(outputs)} output tokens; {cpu_name()}, {os.cpu_count()} cores, torch threads "
+        f"{torch.get_num_threads()}, {platform.python_version()}, load {load_average()}"
+    )
     # Each row as soon as its run ends, so that a run cut short still leaves the ones before it.
-    print(f"{'trace':<6}{'output tok/s':>14}{'wall s':>9}{'steps':>7}{'in on_step s':>14}{'share':>8}{'trace MB':>10}",
-          flush=True)
+    print(
+        f"{'trace':<6}{'output tok/s':>14}{'wall s':>9}{'steps':>7}{'in on_step s':>14}{'share':>8}{'trace MB':>10}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
             for label, path in (("off", None), ("on", os.path.join(tmp, f"trace{i}.jsonl"))):
                 r = run(model_dir, prompts, outputs, path, dtype=args.dtype, device="cpu")
                 share = r["tracer_s"] / r["elapsed"] if r["tracer_s"] else 0.0
-                print(f"{label:<6}{r['tok_s']:>14.1f}{r['elapsed']:>9.1f}{r['steps']:>7}{r['tracer_s']:>14.2f}"
-                      f"{share:>8.2%}{r['bytes'] / 1e6:>10.1f}", flush=True)
+                print(
+                    f"{label:<6}{r['tok_s']:>14.1f}{r['elapsed']:>9.1f}{r['steps']:>7}{r['tracer_s']:>14.2f}"
+                    f"{share:>8.2%}{r['bytes'] / 1e6:>10.1f}",
+                    flush=True,
+                )
     print(f"load after: {load_average()}")
 
 

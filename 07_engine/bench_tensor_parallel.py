@@ -26,18 +26,29 @@ def build_checkpoint(path: str, layers: int, hidden: int, heads: int, kv_heads: 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     return path
 
 
 def machine() -> str:
     """Cores, threads and load: on a shared machine the load explains most of the spread."""
-    return (f"{len(os.sched_getaffinity(0))} cores, torch threads {torch.get_num_threads()} (rank 0 before "
-            f"the split), load average {os.getloadavg()[0]:.1f}")
+    return (
+        f"{len(os.sched_getaffinity(0))} cores, torch threads {torch.get_num_threads()} (rank 0 before "
+        f"the split), load average {os.getloadavg()[0]:.1f}"
+    )
 
 
 class CommRunner:
@@ -60,8 +71,11 @@ def time_comm(world_size: int, args) -> dict:
 
     executor = TensorParallelExecutor(CommRunner, world_size)
     row = dict(tp=world_size)
-    for name, call_args in [("noop", ()), ("decode", (args.num_prompts, args.hidden)),
-                            ("prefill", (args.num_prompts * args.prompt_len, args.hidden))]:
+    for name, call_args in [
+        ("noop", ()),
+        ("decode", (args.num_prompts, args.hidden)),
+        ("prefill", (args.num_prompts * args.prompt_len, args.hidden)),
+    ]:
         method = "noop" if name == "noop" else "all_reduce"
         for _ in range(10):
             executor.call(method, *call_args)
@@ -77,12 +91,20 @@ def run_one(model_dir: str, tp: int, args) -> dict:
     from vllm_from_scratch import LLM, SamplingParams
 
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, args.vocab, (int(n),), generator=g).tolist()
-               for n in torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.num_prompts,), generator=g)]
+    prompts = [
+        torch.randint(3, args.vocab, (int(n),), generator=g).tolist()
+        for n in torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.num_prompts,), generator=g)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     start = time.perf_counter()
-    llm = LLM(model_dir, tensor_parallel_size=tp, device="cpu", dtype=args.dtype, num_kvcache_blocks=1024,
-              max_num_seqs=args.num_prompts)
+    llm = LLM(
+        model_dir,
+        tensor_parallel_size=tp,
+        device="cpu",
+        dtype=args.dtype,
+        num_kvcache_blocks=1024,
+        max_num_seqs=args.num_prompts,
+    )
     startup = time.perf_counter() - start
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -104,8 +126,15 @@ def run_one(model_dir: str, tp: int, args) -> dict:
         engine.step()
     tokens = sum(len(o["token_ids"]) for o in outs)
     llm.shutdown()
-    return dict(tp=tp, startup=startup, elapsed=elapsed, tok_s=tokens / elapsed, call_us=call_us,
-                payload=payload, first=outs[0]["token_ids"][:8])
+    return dict(
+        tp=tp,
+        startup=startup,
+        elapsed=elapsed,
+        tok_s=tokens / elapsed,
+        call_us=call_us,
+        payload=payload,
+        first=outs[0]["token_ids"][:8],
+    )
 
 
 def main() -> None:
@@ -127,8 +156,10 @@ def main() -> None:
 
     comm = [time_comm(tp, args) for tp in tqdm([tp for tp in args.tp if tp > 1], desc="communication")]
     print(f"\nCommunication alone, gloo on the CPU, mean of {args.calls} calls; {machine()}\n")
-    print(f"| TP | no-op call (µs) | call + all-reduce [{args.num_prompts}, {args.hidden}] (µs) "
-          f"| call + all-reduce [{args.num_prompts * args.prompt_len}, {args.hidden}] (µs) |")
+    print(
+        f"| TP | no-op call (µs) | call + all-reduce [{args.num_prompts}, {args.hidden}] (µs) "
+        f"| call + all-reduce [{args.num_prompts * args.prompt_len}, {args.hidden}] (µs) |"
+    )
     print("|---:|---:|---:|---:|")
     for r in comm:
         print(f"| {r['tp']} | {r['noop']:.0f} | {r['decode']:.0f} | {r['prefill']:.0f} |")
@@ -138,14 +169,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_checkpoint(tmp, args.layers, args.hidden, args.heads, args.kv_heads, args.vocab)
         rows = [run_one(model_dir, tp, args) for tp in tqdm(args.tp, desc="tensor_parallel_size")]
-    print(f"\nLlama {args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, "
-          f"vocab {args.vocab}, {args.dtype}; {args.num_prompts} prompts of <= {args.prompt_len} tokens, "
-          f"{args.max_tokens} new tokens each, greedy; {machine()}\n")
+    print(
+        f"\nLlama {args.layers} layers, hidden {args.hidden}, {args.heads}/{args.kv_heads} heads, "
+        f"vocab {args.vocab}, {args.dtype}; {args.num_prompts} prompts of <= {args.prompt_len} tokens, "
+        f"{args.max_tokens} new tokens each, greedy; {machine()}\n"
+    )
     print("| TP | start-up (s) | generate (s) | output tok/s | no-op call (µs) | decode-step call (bytes) |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['tp']} | {r['startup']:.1f} | {r['elapsed']:.2f} | {r['tok_s']:.0f} | {r['call_us']:.0f} "
-              f"| {r['payload']:,} |")
+        print(
+            f"| {r['tp']} | {r['startup']:.1f} | {r['elapsed']:.2f} | {r['tok_s']:.0f} | {r['call_us']:.0f} "
+            f"| {r['payload']:,} |"
+        )
     same = all(r["first"] == rows[0]["first"] for r in rows)
     print(f"\nsame greedy tokens across TP sizes: {same}")
 

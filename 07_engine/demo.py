@@ -46,9 +46,11 @@ def main() -> None:
         print()
     stats = llm.llm_engine.get_stats()
     n = sum(len(o["token_ids"]) for o in outs)
-    print(f"{n} tokens generated in {elapsed:.1f} s; prompt tokens {stats['prompt_tokens_total']}, "
-          f"prefix-cache hits {stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} queried tokens; "
-          f"KV blocks in use after the batch: {llm.llm_engine.block_manager.usage:.0%}")
+    print(
+        f"{n} tokens generated in {elapsed:.1f} s; prompt tokens {stats['prompt_tokens_total']}, "
+        f"prefix-cache hits {stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} queried tokens; "
+        f"KV blocks in use after the batch: {llm.llm_engine.block_manager.usage:.0%}"
+    )
 
 
 if __name__ == "__main__":

@@ -75,8 +75,14 @@ def check_loopback(base_url: str) -> None:
         raise ValueError(f"base_url must point at a loopback server (127.0.0.1/localhost), got {host!r}")
 
 
-def random_workload(tokenizer_dir: str, n: int, input_len: tuple[int, int],
-                    output_len: tuple[int, int], seed: int, as_text: bool = False) -> list[WorkItem]:
+def random_workload(
+    tokenizer_dir: str,
+    n: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int,
+    as_text: bool = False,
+) -> list[WorkItem]:
     """Prompts of random tokens (special tokens excluded) and random lengths.
 
     Token ids give exact prompt lengths on ``/v1/completions``; the chat endpoint takes text, so
@@ -114,9 +120,14 @@ def arrival_delays(n: int, rate: float, seed: int) -> list[float]:
 
 
 def build_payload(item: WorkItem, endpoint: str, model: str, args) -> dict:
-    payload = {"model": model, "max_tokens": item.max_tokens, "temperature": args.temperature,
-               "stream": True, "stream_options": {"include_usage": True},
-               "ignore_eos": args.ignore_eos}
+    payload = {
+        "model": model,
+        "max_tokens": item.max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": args.ignore_eos,
+    }
     if endpoint == "chat":
         payload["messages"] = [{"role": "user", "content": item.prompt}]
     else:
@@ -136,7 +147,7 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict) -> Re
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
@@ -168,10 +179,13 @@ async def run_benchmark(args, items: list[WorkItem], model: str) -> tuple[list[R
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.max_duration + 60)
     gate = asyncio.Semaphore(args.max_concurrency or len(items) or 1)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False,
-                                 headers=auth_headers(args.api_key)) as client:
+    async with httpx.AsyncClient(
+        timeout=timeout, limits=limits, trust_env=False, headers=auth_headers(args.api_key)
+    ) as client:
         if args.warmup:
-            warm = await send_request(client, url, build_payload(WorkItem(items[0].prompt, 2), args.endpoint, model, args))
+            warm = await send_request(
+                client, url, build_payload(WorkItem(items[0].prompt, 2), args.endpoint, model, args)
+            )
             if not warm.ok:
                 raise SystemExit(f"warm-up request failed: {warm.error}")
         bar = tqdm(total=len(items), desc="requests", disable=args.quiet)
@@ -208,12 +222,16 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     itls = [x for r in ok for x in r.itl]
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
-    summary = {"successful_requests": len(ok), "failed_requests": len(results) - len(ok),
-               "duration_s": duration, "total_input_tokens": prompt_tokens,
-               "total_output_tokens": output_tokens,
-               "request_throughput": len(ok) / duration,
-               "output_throughput": output_tokens / duration,
-               "total_token_throughput": (prompt_tokens + output_tokens) / duration}
+    summary = {
+        "successful_requests": len(ok),
+        "failed_requests": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": prompt_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (prompt_tokens + output_tokens) / duration,
+    }
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls)):
         summary[f"mean_{name}_ms"] = 1000 * statistics.fmean(values) if values else float("nan")
         summary[f"median_{name}_ms"] = 1000 * statistics.median(values) if values else float("nan")
@@ -233,17 +251,22 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def format_report(s: dict) -> str:
-    rows = [("=", " Serving Benchmark Result "),
-            ("Successful requests:", s["successful_requests"]),
-            ("Failed requests:", s["failed_requests"]),
-            ("Benchmark duration (s):", f"{s['duration_s']:.2f}"),
-            ("Total input tokens:", s["total_input_tokens"]),
-            ("Total generated tokens:", s["total_output_tokens"]),
-            ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
-            ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
-            ("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")]
-    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-              "itl": "Inter-token Latency"}
+    rows = [
+        ("=", " Serving Benchmark Result "),
+        ("Successful requests:", s["successful_requests"]),
+        ("Failed requests:", s["failed_requests"]),
+        ("Benchmark duration (s):", f"{s['duration_s']:.2f}"),
+        ("Total input tokens:", s["total_input_tokens"]),
+        ("Total generated tokens:", s["total_output_tokens"]),
+        ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
+        ("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}"),
+    ]
+    titles = {
+        "ttft": "Time to First Token",
+        "tpot": "Time per Output Token (excl. 1st token)",
+        "itl": "Inter-token Latency",
+    }
     for key, title in titles.items():
         rows.append(("-", f"{title}"))
         for stat in ("mean", "median", "p99"):
@@ -266,8 +289,7 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 
 def served_model(base_url: str, api_key: str | None = None) -> str:
-    resp = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30, trust_env=False,
-                     headers=auth_headers(api_key))
+    resp = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30, trust_env=False, headers=auth_headers(api_key))
     resp.raise_for_status()
     return resp.json()["data"][0]["id"]
 
@@ -277,25 +299,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (loopback only)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--model", default=None, help="model name to request (default: the server's)")
-    p.add_argument("--api-key", default=None,
-                   help="bearer token for a server started with --api-key (default: $OPENAI_API_KEY)")
+    p.add_argument(
+        "--api-key", default=None, help="bearer token for a server started with --api-key (default: $OPENAI_API_KEY)"
+    )
     p.add_argument("--dataset", default="random", help="'random' or a prompt file (lines or JSON lines)")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer directory for random prompts (default: the embedded default model)")
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer directory for random prompts (default: the embedded default model)"
+    )
     p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests per second, Poisson arrivals; 'inf' sends all at once")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second, Poisson arrivals; 'inf' sends all at once",
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--input-len", type=parse_range, default=(32, 128), help="N or LOW:HIGH tokens")
     p.add_argument("--output-len", type=parse_range, default=(16, 64), help="N or LOW:HIGH tokens")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="generate exactly max_tokens (default on)")
-    p.add_argument("--max-duration", type=float, default=600.0,
-                   help="stop sending and cancel what still runs after this many seconds")
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate exactly max_tokens (default on)",
+    )
+    p.add_argument(
+        "--max-duration",
+        type=float,
+        default=600.0,
+        help="stop sending and cancel what still runs after this many seconds",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="send one short request first, outside the measurement")
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send one short request first, outside the measurement",
+    )
     p.add_argument("--result-json", default=None, help="also write the summary here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -314,9 +354,14 @@ def main(argv=None) -> dict:
     if args.dataset == "random":
         from vllm_from_scratch.default_model import default_model_dir
 
-        items = random_workload(args.tokenizer or default_model_dir(), args.num_requests,
-                                args.input_len, args.output_len, args.seed,
-                                as_text=args.endpoint == "chat")
+        items = random_workload(
+            args.tokenizer or default_model_dir(),
+            args.num_requests,
+            args.input_len,
+            args.output_len,
+            args.seed,
+            as_text=args.endpoint == "chat",
+        )
     else:
         items = file_workload(args.dataset, args.num_requests, args.output_len, args.seed)
     results, duration = asyncio.run(run_benchmark(args, items, model))
@@ -324,9 +369,9 @@ def main(argv=None) -> dict:
     print(format_report(summary))
     if args.result_json:
         settings = {k: v for k, v in vars(args).items() if k != "api_key"}  # no secret in the file
-        Path(args.result_json).write_text(json.dumps({"args": settings,
-                                                      "summary": summary,
-                                                      "results": [asdict(r) for r in results]}, indent=1))
+        Path(args.result_json).write_text(
+            json.dumps({"args": settings, "summary": summary, "results": [asdict(r) for r in results]}, indent=1)
+        )
     return summary
 
 

@@ -41,9 +41,28 @@ OP_GROUPS = [
     ("attention", ("paged_attention", "scaled_dot_product", "_flash_attention", "index_select")),
     ("kv write", ("store_kvcache", "index_copy")),
     ("dtype casts", ("aten::to", "aten::_to_copy")),  # mostly the float32 matmul path's up/down casts
-    ("elementwise", ("aten::mul", "aten::add", "aten::sub", "aten::silu", "aten::rsqrt", "vector_norm", "rms_norm",
-                     "aten::roll", "aten::cat", "aten::copy_", "aten::square", "aten::div", "aten::neg",
-                     "aten::embedding", "aten::index", "aten::clone", "aten::contiguous")),
+    (
+        "elementwise",
+        (
+            "aten::mul",
+            "aten::add",
+            "aten::sub",
+            "aten::silu",
+            "aten::rsqrt",
+            "vector_norm",
+            "rms_norm",
+            "aten::roll",
+            "aten::cat",
+            "aten::copy_",
+            "aten::square",
+            "aten::div",
+            "aten::neg",
+            "aten::embedding",
+            "aten::index",
+            "aten::clone",
+            "aten::contiguous",
+        ),
+    ),
 ]
 
 
@@ -79,17 +98,25 @@ class Batches:
         bs = self.block_size
         width = cdiv(max(k_lens), bs)
         if width * len(q_lens) > self.runner.num_kvcache_blocks:
-            raise SystemExit(f"the KV cache holds {self.runner.num_kvcache_blocks} blocks, the batch needs "
-                             f"{width * len(q_lens)}: lower --context-len or the batch size")
+            raise SystemExit(
+                f"the KV cache holds {self.runner.num_kvcache_blocks} blocks, the batch needs "
+                f"{width * len(q_lens)}: lower --context-len or the batch size"
+            )
         block_tables = torch.arange(width * len(q_lens), dtype=torch.int32).view(len(q_lens), width)
         positions = torch.cat([torch.arange(k - q, k) for q, k in zip(q_lens, k_lens)])
         seq_ids = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
         slots = block_tables[seq_ids, positions // bs].long() * bs + positions % bs
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
-        md = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu,
-                               seq_lens_k=torch.tensor(k_lens, dtype=torch.int32), block_tables=block_tables,
-                               max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), is_decode=max(q_lens) == 1)
+        md = AttentionMetadata(
+            slot_mapping=slots,
+            cu_seqlens_q=cu,
+            seq_lens_k=torch.tensor(k_lens, dtype=torch.int32),
+            block_tables=block_tables,
+            max_seqlen_q=max(q_lens),
+            max_seqlen_k=max(k_lens),
+            is_decode=max(q_lens) == 1,
+        )
         input_ids = torch.randint(0, self.vocab, (len(positions),), generator=torch.Generator().manual_seed(0))
         logits_indices = cu[1:].long() - 1
         return input_ids, positions, md, logits_indices
@@ -135,6 +162,7 @@ def label_attention_calls() -> None:
         def call(*args, **kwargs):
             with torch.profiler.record_function(name):
                 return fn(*args, **kwargs)
+
         return call
 
     attention.paged_attention = labelled("paged_attention", attention.paged_attention)
@@ -169,31 +197,43 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="bfloat16", help="model dtype (default: bfloat16)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
-    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 32],
-                        help="decode batch sizes (default: 1 32)")
-    parser.add_argument("--context-len", type=int, default=256,
-                        help="tokens each decoding request attends to (default: 256)")
-    parser.add_argument("--prefill-lens", type=int, nargs="*", default=[512],
-                        help="prefill chunk lengths (default: 512)")
+    parser.add_argument(
+        "--batch-sizes", type=int, nargs="*", default=[1, 32], help="decode batch sizes (default: 1 32)"
+    )
+    parser.add_argument(
+        "--context-len", type=int, default=256, help="tokens each decoding request attends to (default: 256)"
+    )
+    parser.add_argument(
+        "--prefill-lens", type=int, nargs="*", default=[512], help="prefill chunk lengths (default: 512)"
+    )
     parser.add_argument("--iters", type=int, default=20, help="timed calls per shape after the first (default: 20)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="time every shape this many times, interleaved (default: 1)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="time every shape this many times, interleaved (default: 1)"
+    )
     parser.add_argument("--profile", action="store_true", help="also break each shape down with torch.profiler")
-    parser.add_argument("--bf16-only", action="store_true",
-                        help="drop the float32 weight copies (layers/prepacked.py): every matmul in bf16")
+    parser.add_argument(
+        "--bf16-only",
+        action="store_true",
+        help="drop the float32 weight copies (layers/prepacked.py): every matmul in bf16",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     start = time.perf_counter()
-    runner = ModelRunner(EngineConfig(args.model or default_model_dir(), device="cpu", dtype=args.dtype,
-                                      max_num_seqs=max(args.batch_sizes + [1])))
+    runner = ModelRunner(
+        EngineConfig(
+            args.model or default_model_dir(), device="cpu", dtype=args.dtype, max_num_seqs=max(args.batch_sizes + [1])
+        )
+    )
     if args.bf16_only:
         prepack_model(runner.model, float32_copies=False)
     packable = [m for m in runner.model.modules() if isinstance(m, PrepackableWeight)]
     fp32_copies = sum(m.packed_weight_fp32 is not None for m in packable)
     print(machine())
-    print(f"runner built in {time.perf_counter() - start:.1f} s; {args.dtype}, {torch.get_num_threads()} threads; "
-          f"float32 copies for matmuls of {FLOAT32_MIN_ROWS}+ rows: {fp32_copies} of {len(packable)} weights")
+    print(
+        f"runner built in {time.perf_counter() - start:.1f} s; {args.dtype}, {torch.get_num_threads()} threads; "
+        f"float32 copies for matmuls of {FLOAT32_MIN_ROWS}+ rows: {fp32_copies} of {len(packable)} weights"
+    )
     if args.profile:
         label_attention_calls()
     batches = Batches(runner, args.context_len)
@@ -208,8 +248,9 @@ def main() -> None:
         for name, batch in tqdm(shapes, desc=f"repeat {rep + 1}/{args.repeats}", leave=False):
             first, median, cpu = time_step(runner, batch, args.iters)
             load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-            tqdm.write(f"  {name:<14} first {first:9.2f} ms   median {median:8.2f} ms   cpu {cpu:8.2f} ms   "
-                       f"load {load}")
+            tqdm.write(
+                f"  {name:<14} first {first:9.2f} ms   median {median:8.2f} ms   cpu {cpu:8.2f} ms   load {load}"
+            )
             if args.profile and rep == 0:
                 profile_step(runner, batch, max(3, args.iters // 4))
 

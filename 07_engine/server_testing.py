@@ -42,8 +42,7 @@ class ServerProcess:
         self.log = tempfile.TemporaryFile(mode="w+")
 
     def start(self) -> ServerProcess:
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=self.env)
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if self.proc.poll() is not None:

@@ -41,8 +41,16 @@ from bench_server_stall import cpu_model
 from server_testing import ServerProcess
 
 MAX_MODEL_LEN = 512
-SERVER_ARGS = ["--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--num-kvcache-blocks", "16",
-               "--log-level", "warning"]
+SERVER_ARGS = [
+    "--max-num-seqs",
+    "4",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--num-kvcache-blocks",
+    "16",
+    "--log-level",
+    "warning",
+]
 
 
 @dataclass
@@ -83,14 +91,22 @@ def bad_requests(limit: int) -> list[BadRequest]:
         BadRequest("invalid UTF-8", "/v1/completions", b'{"prompt": "\xff\xfe\xfd"}', 400),
         BadRequest("unknown model", "/v1/completions", _json({"prompt": "hi", "model": "gpt-4o"}), 404, "model"),
         BadRequest("n=2", "/v1/completions", _json({"prompt": "hi", "n": 2}), 400, "n"),
-        BadRequest("huge seed", "/v1/completions", b'{"prompt": "hi", "seed": 123456789012345678901234567890}',
-                   400, "seed"),
-        BadRequest("NaN", "/v1/chat/completions",
-                   b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
-        BadRequest("priority out of range", "/v1/completions", _json({"prompt": "hi", "priority": 2**63}),
-                   400, "priority"),
-        BadRequest("max_tokens 1e20", "/v1/completions", _json({"prompt": "hi", "max_tokens": 10**20}),
-                   400, "max_tokens"),
+        BadRequest(
+            "huge seed", "/v1/completions", b'{"prompt": "hi", "seed": 123456789012345678901234567890}', 400, "seed"
+        ),
+        BadRequest(
+            "NaN",
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+            400,
+            "temperature",
+        ),
+        BadRequest(
+            "priority out of range", "/v1/completions", _json({"prompt": "hi", "priority": 2**63}), 400, "priority"
+        ),
+        BadRequest(
+            "max_tokens 1e20", "/v1/completions", _json({"prompt": "hi", "max_tokens": 10**20}), 400, "max_tokens"
+        ),
         BadRequest("prompt over the context", "/v1/completions", _json({"prompt": long_prompt}), 400, "prompt"),
         BadRequest("floats for a prompt", "/v1/completions", _json({"prompt": [1.5] * (limit // 8)}), 400, "prompt"),
         BadRequest("oversize body", "/v1/completions", _json({"prompt": "a" * limit}), 413),
@@ -124,8 +140,9 @@ async def send_bad(client: httpx.AsyncClient, url: str, api_key: str, bad: BadRe
 async def drop_a_stream(client: httpx.AsyncClient, url: str, api_key: str) -> str | None:
     """Start a long stream and hang up after its first chunk (the server must abort it)."""
     body = {"prompt": "Tell me a story.", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    async with client.stream("POST", url + "/v1/completions", json=body,
-                             headers={"authorization": f"Bearer {api_key}"}) as resp:
+    async with client.stream(
+        "POST", url + "/v1/completions", json=body, headers={"authorization": f"Bearer {api_key}"}
+    ) as resp:
         if resp.status_code != 200:
             return f"dropped stream: {resp.status_code}"
         async for line in resp.aiter_lines():
@@ -146,12 +163,26 @@ async def bad_client(url: str, api_key: str, cases: list[BadRequest], done: asyn
     return sent, [m for m in mismatches if m]
 
 
-async def one_round(url: str, api_key: str, args: argparse.Namespace, items: list[lg.WorkItem],
-                    cases: list[BadRequest]):
+async def one_round(
+    url: str, api_key: str, args: argparse.Namespace, items: list[lg.WorkItem], cases: list[BadRequest]
+):
     """The load generator's run of ``items`` and the bad client, side by side."""
-    load_args = lg.parse_args(["--base-url", url, "--api-key", api_key, "--num-requests", str(args.num_requests),
-                               "--max-concurrency", str(args.max_concurrency), "--quiet", "--no-warmup",
-                               "--max-duration", "600"])
+    load_args = lg.parse_args(
+        [
+            "--base-url",
+            url,
+            "--api-key",
+            api_key,
+            "--num-requests",
+            str(args.num_requests),
+            "--max-concurrency",
+            str(args.max_concurrency),
+            "--quiet",
+            "--no-warmup",
+            "--max-duration",
+            "600",
+        ]
+    )
     done = asyncio.Event()
     bad = asyncio.create_task(bad_client(url, api_key, cases, done))
     try:
@@ -203,13 +234,27 @@ def soak(args: argparse.Namespace) -> list[Round]:
             results, (sent, mismatches) = asyncio.run(one_round(url, api_key, args, items, cases))
             idle = wait_idle(url)
             rss, fds, threads = proc_status(pid)
-            r = Round(len(rounds) + 1, sum(x.ok for x in results), sum(not x.ok for x in results), sent,
-                      mismatches, idle, metrics(url)["vllm:num_preemptions_total"], rss,
-                      time.time() - round_start, fds, threads,
-                      " ".join(f"{x:.2f}" for x in os.getloadavg()), sorted({x.error for x in results if not x.ok}))
-            print(f"{r.index:>5} {r.seconds:>8.1f} {r.ok_requests:>3} {r.failed_requests:>7} {r.bad_sent:>9}"
-                  f" {len(r.mismatches):>11}  {'yes' if r.idle else 'NO':>4} {r.preemptions:>12.0f}"
-                  f" {r.rss_mib:>8.1f} {r.fds:>4} {r.threads:>8}  {r.load}", flush=True)
+            r = Round(
+                len(rounds) + 1,
+                sum(x.ok for x in results),
+                sum(not x.ok for x in results),
+                sent,
+                mismatches,
+                idle,
+                metrics(url)["vllm:num_preemptions_total"],
+                rss,
+                time.time() - round_start,
+                fds,
+                threads,
+                " ".join(f"{x:.2f}" for x in os.getloadavg()),
+                sorted({x.error for x in results if not x.ok}),
+            )
+            print(
+                f"{r.index:>5} {r.seconds:>8.1f} {r.ok_requests:>3} {r.failed_requests:>7} {r.bad_sent:>9}"
+                f" {len(r.mismatches):>11}  {'yes' if r.idle else 'NO':>4} {r.preemptions:>12.0f}"
+                f" {r.rss_mib:>8.1f} {r.fds:>4} {r.threads:>8}  {r.load}",
+                flush=True,
+            )
             rounds.append(r)
     return rounds
 
@@ -227,8 +272,10 @@ def verdict(rounds: list[Round], warm_up_rounds: int, rss_tolerance_mib: float) 
     reference, judged = rounds[warm_up_rounds - 1], rounds[warm_up_rounds:]
     growth = max(r.rss_mib for r in judged) - reference.rss_mib
     if growth > rss_tolerance_mib:
-        problems.append(f"resident memory grew {growth:.1f} MiB after round {reference.index} "
-                        f"(tolerance {rss_tolerance_mib} MiB): {[round(r.rss_mib) for r in rounds]}")
+        problems.append(
+            f"resident memory grew {growth:.1f} MiB after round {reference.index} "
+            f"(tolerance {rss_tolerance_mib} MiB): {[round(r.rss_mib) for r in rounds]}"
+        )
     for name in ("fds", "threads"):
         if max(getattr(r, name) for r in judged) > getattr(reference, name) + 2:
             problems.append(f"{name} grew: {[getattr(r, name) for r in rounds]}")
@@ -239,17 +286,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=240, help="seconds of soak, at least (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, at least (default: %(default)s)")
-    p.add_argument("--warm-up-rounds", type=int, default=1,
-                   help="rounds before memory is judged (default: %(default)s)")
+    p.add_argument(
+        "--warm-up-rounds", type=int, default=1, help="rounds before memory is judged (default: %(default)s)"
+    )
     p.add_argument("--num-requests", type=int, default=12, help="load requests per round (default: %(default)s)")
-    p.add_argument("--max-concurrency", type=int, default=12,
-                   help="load requests in flight; the server runs 4 at a time (default: %(default)s)")
-    p.add_argument("--input-len", type=lg.parse_range, default=(32, 32),
-                   help="prompt tokens, N or LOW:HIGH (default: 32)")
-    p.add_argument("--output-len", type=lg.parse_range, default=(64, 64),
-                   help="new tokens, N or LOW:HIGH (default: 64)")
-    p.add_argument("--rss-tolerance-mib", type=float, default=32.0,
-                   help="allowed RSS growth after the warm-up (default: %(default)s)")
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=12,
+        help="load requests in flight; the server runs 4 at a time (default: %(default)s)",
+    )
+    p.add_argument(
+        "--input-len", type=lg.parse_range, default=(32, 32), help="prompt tokens, N or LOW:HIGH (default: 32)"
+    )
+    p.add_argument(
+        "--output-len", type=lg.parse_range, default=(64, 64), help="new tokens, N or LOW:HIGH (default: 64)"
+    )
+    p.add_argument(
+        "--rss-tolerance-mib",
+        type=float,
+        default=32.0,
+        help="allowed RSS growth after the warm-up (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=0, help="the workload's seed, the same every round")
     p.add_argument("--tokenizer", default=None, help="for the random prompts (default: the default model's)")
     args = p.parse_args(argv)
@@ -266,9 +324,12 @@ def main(argv=None) -> list[str]:
     args = parse_args(argv)
     rounds = soak(args)
     problems = verdict(rounds, args.warm_up_rounds, args.rss_tolerance_mib)
-    print("\n".join(problems) if problems else
-          f"passed: {len(rounds)} rounds, {sum(r.ok_requests for r in rounds)} requests served, "
-          f"{sum(r.bad_sent for r in rounds)} bad requests answered as they must be")
+    print(
+        "\n".join(problems)
+        if problems
+        else f"passed: {len(rounds)} rounds, {sum(r.ok_requests for r in rounds)} requests served, "
+        f"{sum(r.bad_sent for r in rounds)} bad requests answered as they must be"
+    )
     return problems
 
 

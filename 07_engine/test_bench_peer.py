@@ -58,8 +58,9 @@ def test_bench_vllm_passes_the_workload_and_the_binding(fake_venv, monkeypatch):
     tps, report = bench.bench_vllm(python, "model", [[1, 2], [3]], [4, 5], "bfloat16", {}, 3, watch)
     assert tps == 100.0 and report["spec"] == {"n": 2, "outputs": [4, 5], "dtype": "bfloat16"}
     assert report["env"] == {"VLLM_CPU_KVCACHE_SPACE": "3"}
-    tps, report = bench.bench_vllm(python, "model", [[1]], [4], "bfloat16", bench.vllm_bindings()["all-cores-bound"],
-                                   3, watch)
+    tps, report = bench.bench_vllm(
+        python, "model", [[1]], [4], "bfloat16", bench.vllm_bindings()["all-cores-bound"], 3, watch
+    )
     assert tps == 200.0
     assert report["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert report["env"]["VLLM_CPU_OMP_THREADS_BIND"] == bench.usable_cores()
@@ -75,12 +76,27 @@ def test_one_table_holds_engine_transformers_and_both_vllm_runs(fake_venv, monke
     monkeypatch.setattr(bench, "bench_engine", lambda *a, watch, more_workloads, **kw: ([timed(watch, 300.0)], 2.5))
     monkeypatch.setattr(bench, "bench_transformers", lambda *a: timed(a[-1], 50.0))
     out = tmp_path / "peer.json"
-    bench.main(["--peer", "vllm", "--vllm-venv", str(fake_venv), "--num-requests", "3", "--hf-batch-sizes", "2",
-                "--json", str(out)])
+    bench.main(
+        [
+            "--peer",
+            "vllm",
+            "--vllm-venv",
+            str(fake_venv),
+            "--num-requests",
+            "3",
+            "--hf-batch-sizes",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert "avx512_bf16" in text and "torch threads" in text and "load average (1/5/15 min)" in text
-    table = {line[:46].strip(): line[46:].split() for line in text.splitlines()
-             if line.startswith(("engine", "transformers", "vLLM")) and line[46:].split()[1].endswith("x")}
+    table = {
+        line[:46].strip(): line[46:].split()
+        for line in text.splitlines()
+        if line.startswith(("engine", "transformers", "vLLM")) and line[46:].split()[1].endswith("x")
+    }
     assert table["engine bfloat16"][:3] == ["300.0", "6.00x", "1.50x"]
     assert table["transformers bfloat16 (batch 2, left pad)"][:3] == ["50.0", "1.00x", "0.25x"]
     assert table["vLLM 0.32.0 CPU bfloat16 (defaults)"][:3] == ["100.0", "2.00x", "0.50x"]
@@ -94,15 +110,40 @@ def test_one_table_holds_engine_transformers_and_both_vllm_runs(fake_venv, monke
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (bench.VLLM_VENV / "bin" / "python").exists(),
-                    reason="vLLM's CPU build is optional: build .venv-vllm with 07_engine/make_vllm_venv.sh")
+@pytest.mark.skipif(
+    not (bench.VLLM_VENV / "bin" / "python").exists(),
+    reason="vLLM's CPU build is optional: build .venv-vllm with 07_engine/make_vllm_venv.sh",
+)
 def test_the_real_vllm_cpu_build_runs_the_same_workload(tmp_path):
     out = tmp_path / "peer.json"
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
-    subprocess.run([sys.executable, str(HERE / "bench.py"), "--peer", "vllm", "--vllm-bindings", "all-cores-bound",
-                    "--num-requests", "2", "--input-len", "16", "32", "--output-len", "4", "4",
-                    "--hf-batch-sizes", "--vllm-kv-cache-gib", "1", "--json", str(out)],
-                   check=True, env=env, cwd=HERE, timeout=900)
+    subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "bench.py"),
+            "--peer",
+            "vllm",
+            "--vllm-bindings",
+            "all-cores-bound",
+            "--num-requests",
+            "2",
+            "--input-len",
+            "16",
+            "32",
+            "--output-len",
+            "4",
+            "4",
+            "--hf-batch-sizes",
+            "--vllm-kv-cache-gib",
+            "1",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        env=env,
+        cwd=HERE,
+        timeout=900,
+    )
     rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
     vllm_row = rows["vLLM 0.32.0 CPU bfloat16 (all-cores-bound)"]
     assert vllm_row["output_tokens_per_s"] > 0
@@ -113,15 +154,27 @@ def test_bench_serving_compares_our_server_with_the_best_vllm_serve(capsys):
     import bench_serving
 
     load = {"load_before": "0.10 0.20 0.30", "load_after": "0.40 0.50 0.60", "quiet": None}
-    result = {"output_throughput": 300.0, "median_ttft_ms": 900.0, "p99_ttft_ms": 2000.0, "mean_tpot_ms": 50.0,
-              "p99_itl_ms": 80.0, "load": load}
-    results = {"our server": result,
-               "vllm serve (defaults)": {**result, "output_throughput": 100.0, "p99_ttft_ms": 1000.0},
-               "vllm serve (all-cores-bound)": {**result, "output_throughput": 150.0, "p99_ttft_ms": 3000.0}}
+    result = {
+        "output_throughput": 300.0,
+        "median_ttft_ms": 900.0,
+        "p99_ttft_ms": 2000.0,
+        "mean_tpot_ms": 50.0,
+        "p99_itl_ms": 80.0,
+        "load": load,
+    }
+    results = {
+        "our server": result,
+        "vllm serve (defaults)": {**result, "output_throughput": 100.0, "p99_ttft_ms": 1000.0},
+        "vllm serve (all-cores-bound)": {**result, "output_throughput": 150.0, "p99_ttft_ms": 3000.0},
+    }
     bench_serving.print_table(results)
     assert "TTFT p50 ms" in capsys.readouterr().out
     assert bench_serving.verdict(results) == {
-        "against": "vllm serve (all-cores-bound)", "throughput_ratio": 2.0, "p99_ttft_ms": [2000.0, 3000.0],
-        "throughput_target_1_5x_met": True, "p99_ttft_no_worse": True}
+        "against": "vllm serve (all-cores-bound)",
+        "throughput_ratio": 2.0,
+        "p99_ttft_ms": [2000.0, 3000.0],
+        "throughput_target_1_5x_met": True,
+        "p99_ttft_no_worse": True,
+    }
     flags = bench_serving.client_flags("http://h", "m", "tok", bench_serving.parse_args([]), 7, 64, None)
     assert flags[flags.index("--seed") + 1] == "7" and "--ignore-eos" in flags and "--save-result" not in flags

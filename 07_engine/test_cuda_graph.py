@@ -21,14 +21,17 @@ from vllm_from_scratch.model_runner import ModelRunner
 BLOCK = 8
 
 
-@pytest.mark.parametrize("max_num_seqs,expected", [
-    (1, [1]),
-    (3, [1, 2, 3]),
-    (10, [1, 2, 4, 8, 10]),  # nano-vllm would stop at 8 and fail on a batch of 9
-    (48, [1, 2, 4, 8, 16, 32, 48]),
-    (256, [1, 2, 4, 8] + list(range(16, 257, 16))),
-    (1000, [1, 2, 4, 8] + list(range(16, 513, 16))),  # capped at 512
-])
+@pytest.mark.parametrize(
+    "max_num_seqs,expected",
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (10, [1, 2, 4, 8, 10]),  # nano-vllm would stop at 8 and fail on a batch of 9
+        (48, [1, 2, 4, 8, 16, 32, 48]),
+        (256, [1, 2, 4, 8] + list(range(16, 257, 16))),
+        (1000, [1, 2, 4, 8] + list(range(16, 513, 16))),  # capped at 512
+    ],
+)
 def test_capture_batch_sizes(max_num_seqs, expected):
     assert capture_batch_sizes(max_num_seqs) == expected
 
@@ -47,9 +50,14 @@ class RecordingModel(torch.nn.Module):
     """Returns a function of every input row and remembers what the graph fed it."""
 
     def forward(self, input_ids, positions, md: AttentionMetadata):
-        self.seen = dict(input_ids=input_ids.clone(), slot_mapping=md.slot_mapping.clone(),
-                         seq_lens_k=md.seq_lens_k.clone(), block_tables=md.block_tables.clone(),
-                         cu_seqlens_q=md.cu_seqlens_q.clone(), is_decode=md.is_decode)
+        self.seen = dict(
+            input_ids=input_ids.clone(),
+            slot_mapping=md.slot_mapping.clone(),
+            seq_lens_k=md.seq_lens_k.clone(),
+            block_tables=md.block_tables.clone(),
+            cu_seqlens_q=md.cu_seqlens_q.clone(),
+            is_decode=md.is_decode,
+        )
         row = input_ids * 1000 + positions * 10 + md.seq_lens_k + md.block_tables.sum(-1)
         return row.float().unsqueeze(-1).expand(-1, 4)
 
@@ -57,17 +65,30 @@ class RecordingModel(torch.nn.Module):
 def _decode_metadata(n: int, width: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     g = torch.Generator().manual_seed(n)
     ids, pos = torch.randint(0, 100, (n,), generator=g), torch.randint(0, 30, (n,), generator=g)
-    md = AttentionMetadata(slot_mapping=torch.randint(0, 200, (n,), generator=g),
-                           cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32),
-                           seq_lens_k=(pos + 1).int(), block_tables=torch.randint(0, 25, (n, width), generator=g).int(),
-                           max_seqlen_q=1, max_seqlen_k=int(pos.max()) + 1, is_decode=True)
+    md = AttentionMetadata(
+        slot_mapping=torch.randint(0, 200, (n,), generator=g),
+        cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens_k=(pos + 1).int(),
+        block_tables=torch.randint(0, 25, (n, width), generator=g).int(),
+        max_seqlen_q=1,
+        max_seqlen_k=int(pos.max()) + 1,
+        is_decode=True,
+    )
     return ids, pos, md
 
 
 def test_replay_pads_to_the_next_captured_size():
     model = RecordingModel()
-    runner = CUDAGraphRunner(model, max_num_seqs=10, max_model_len=64, block_size=BLOCK, hidden_size=4,
-                             dtype=torch.float32, device="cpu", use_cuda_graph=False)
+    runner = CUDAGraphRunner(
+        model,
+        max_num_seqs=10,
+        max_model_len=64,
+        block_size=BLOCK,
+        hidden_size=4,
+        dtype=torch.float32,
+        device="cpu",
+        use_cuda_graph=False,
+    )
     runner.capture()
     assert sorted(runner.graphs) == [1, 2, 4, 8, 10]
     for n, width, bs in [(5, 3, 8), (9, 8, 10), (1, 1, 1), (5, 2, 8)]:
@@ -102,19 +123,31 @@ def test_can_run_only_pure_decode_batches_that_fit():
 
 # ---- the real model: graph replay equals the eager forward ----------------------------------
 
+
 def _prefilled_runner(model_dir: str, device: str, num_seqs: int):
-    config = EngineConfig(model_dir=model_dir, device=device, dtype="float32", kvcache_block_size=BLOCK,
-                          num_kvcache_blocks=64, max_num_seqs=10, max_model_len=128, enforce_eager=True)
+    config = EngineConfig(
+        model_dir=model_dir,
+        device=device,
+        dtype="float32",
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=64,
+        max_num_seqs=10,
+        max_model_len=128,
+        enforce_eager=True,
+    )
     runner = ModelRunner(config)
     bm = BlockManager(runner.num_kvcache_blocks, BLOCK)
     g = torch.Generator().manual_seed(0)
-    seqs = [Sequence(torch.randint(3, 512, (int(n),), generator=g).tolist(), BLOCK)
-            for n in torch.randint(3, 30, (num_seqs,), generator=g)]
+    seqs = [
+        Sequence(torch.randint(3, 512, (int(n),), generator=g).tolist(), BLOCK)
+        for n in torch.randint(3, 30, (num_seqs,), generator=g)
+    ]
     for s in seqs:
         assert bm.allocate_slots(s, s.num_tokens)
     with torch.inference_mode():
-        runner.compute_logits(build_batch_inputs(SchedulerInfo.from_sequences(seqs, [s.num_tokens for s in seqs]),
-                                                 BLOCK))
+        runner.compute_logits(
+            build_batch_inputs(SchedulerInfo.from_sequences(seqs, [s.num_tokens for s in seqs]), BLOCK)
+        )
     for s in seqs:  # one decode token each, crossing a block boundary for some
         s.num_computed_tokens = s.num_tokens
         s.append_token(int(torch.randint(3, 512, (1,), generator=g)))
@@ -125,8 +158,16 @@ def _prefilled_runner(model_dir: str, device: str, num_seqs: int):
 def _graph_equals_eager(model_dir: str, device: str, use_cuda_graph: bool, num_seqs: int) -> None:
     runner, seqs = _prefilled_runner(model_dir, device, num_seqs)
     cfg = runner.config
-    graphs = CUDAGraphRunner(runner.model, cfg.max_num_seqs, cfg.max_model_len, BLOCK, cfg.hf_config.hidden_size,
-                             cfg.torch_dtype, runner.device, use_cuda_graph=use_cuda_graph)
+    graphs = CUDAGraphRunner(
+        runner.model,
+        cfg.max_num_seqs,
+        cfg.max_model_len,
+        BLOCK,
+        cfg.hf_config.hidden_size,
+        cfg.torch_dtype,
+        runner.device,
+        use_cuda_graph=use_cuda_graph,
+    )
     kv_before_capture = runner.kv_cache.clone()
     graphs.capture()
     assert torch.equal(runner.kv_cache, kv_before_capture), "capture wrote into the KV cache"
@@ -164,8 +205,15 @@ def test_llm_with_cuda_graphs_generates_what_eager_does(tiny_llama_dir):
     params = SamplingParams(temperature=0.0, max_tokens=16)
     outs = {}
     for eager in (True, False):
-        llm = LLM(tiny_llama_dir, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=8,
-                  kvcache_block_size=16, num_kvcache_blocks=64)
+        llm = LLM(
+            tiny_llama_dir,
+            device="cuda",
+            dtype="float32",
+            enforce_eager=eager,
+            max_num_seqs=8,
+            kvcache_block_size=16,
+            num_kvcache_blocks=64,
+        )
         runner = llm.llm_engine.executor.runner
         assert (runner.graph_runner is None) == eager
         outs[eager] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]

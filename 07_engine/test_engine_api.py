@@ -11,17 +11,19 @@ from vllm_from_scratch import LLM, LLMEngine, RequestOutput, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32",
-               max_model_len=128)
+    return LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", max_model_len=128)
 
 
-@pytest.mark.parametrize("prompt, name", [
-    ([], "prompt"),
-    (list(range(3, 131)), "max_model_len"),
-    ([5, 512], "vocabulary"),
-    ([5, -1], "vocabulary"),
-    ("text", "token ids"),  # the tiny checkpoint has no tokenizer
-])
+@pytest.mark.parametrize(
+    "prompt, name",
+    [
+        ([], "prompt"),
+        (list(range(3, 131)), "max_model_len"),
+        ([5, 512], "vocabulary"),
+        ([5, -1], "vocabulary"),
+        ("text", "token ids"),  # the tiny checkpoint has no tokenizer
+    ],
+)
 def test_bad_prompt_raises_before_anything_is_scheduled(llm, prompt, name):
     good = [3, 4, 5]
     with pytest.raises(ValueError, match=name):
@@ -31,13 +33,16 @@ def test_bad_prompt_raises_before_anything_is_scheduled(llm, prompt, name):
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(temperature=-0.1), "temperature"),
-    (dict(top_k=-2), "top_k"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_k=-2), "top_k"),
+    ],
+)
 def test_bad_sampling_params(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
@@ -45,17 +50,28 @@ def test_bad_sampling_params(kwargs, name):
 
 def test_sampling_params_defaults_are_vllms():
     p = SamplingParams()
-    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.ignore_eos, p.stop, p.seed) == (1.0, 1.0, -1, 16, False, [], None)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.ignore_eos, p.stop, p.seed) == (
+        1.0,
+        1.0,
+        -1,
+        16,
+        False,
+        [],
+        None,
+    )
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(dtype="float64"), "dtype"),
-    (dict(device="tpu"), "device"),
-    (dict(device="cuda:7"), "device"),
-    (dict(max_num_seqs=0), "max_num_seqs"),
-    (dict(kvcache_block_size=0), "kvcache_block_size"),
-    (dict(max_model_len=10**6), "max_model_len"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(dtype="float64"), "dtype"),
+        (dict(device="tpu"), "device"),
+        (dict(device="cuda:7"), "device"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(kvcache_block_size=0), "kvcache_block_size"),
+        (dict(max_model_len=10**6), "max_model_len"),
+    ],
+)
 def test_bad_engine_arguments(tiny_llama_dir, kwargs, name):
     if kwargs.get("device") == "cuda:7" and torch.cuda.is_available():
         pytest.skip("a GPU is present: CUDA is a valid device here")
@@ -71,13 +87,24 @@ def test_streaming_outputs_add_up(llm, tiny_llama_dir):
     while engine.has_unfinished_requests():
         pieces += engine.step()
     assert all(o.request_id == rid for o in pieces)
-    assert [t for o in pieces for t in o.new_token_ids] == pieces[-1].completion_token_ids == hf_greedy(tiny_llama_dir, tuple(prompt))
+    assert (
+        [t for o in pieces for t in o.new_token_ids]
+        == pieces[-1].completion_token_ids
+        == hf_greedy(tiny_llama_dir, tuple(prompt))
+    )
     assert pieces[-1].finished and not any(o.finished for o in pieces[:-1])
     assert pieces[-1].finish_reason in ("stop", "length") and pieces[-1].num_prompt_tokens == 11
     stats = engine.get_stats()
     assert stats["generation_tokens_total"] >= len(pieces[-1].completion_token_ids)
-    assert set(stats) >= {"num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_queries",
-                          "prefix_cache_hits", "prompt_tokens_total", "num_preemptions_total"}
+    assert set(stats) >= {
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "prompt_tokens_total",
+        "num_preemptions_total",
+    }
 
 
 def test_duplicate_request_id(llm):
@@ -92,8 +119,9 @@ def test_duplicate_request_id(llm):
 
 def test_abort_mid_generation_frees_blocks(llm):
     engine = llm.llm_engine
-    engine.add_request(make_prompts(11, (30,))[0], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True),
-                       request_id="a")
+    engine.add_request(
+        make_prompts(11, (30,))[0], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True), request_id="a"
+    )
     engine.add_request([7, 8, 9], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), request_id="b")
     engine.step()
     engine.step()
@@ -127,8 +155,9 @@ def test_stop_token_ids_end_the_output(llm, tiny_llama_dir):
     prompt = make_prompts(12, (9,))[0]
     ref = hf_greedy(tiny_llama_dir, tuple(prompt))
     stop_at = ref[3]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_at]),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_at]), use_tqdm=False
+    )[0]
     assert out["token_ids"] == ref[: ref.index(stop_at) + 1]
     assert_no_leak(llm)
 
@@ -148,8 +177,14 @@ def test_priority_scheduling_from_generate(tiny_llama_dir):
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     finish_order = {}
     for policy in ("fcfs", "priority"):
-        engine = LLMEngine(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32",
-                           max_num_seqs=1, scheduling_policy=policy)
+        engine = LLMEngine(
+            tiny_llama_dir,
+            kvcache_block_size=BLOCK,
+            num_kvcache_blocks=64,
+            dtype="float32",
+            max_num_seqs=1,
+            scheduling_policy=policy,
+        )
         for i, (p, prio) in enumerate(zip(prompts, [3, 1, 2, 0])):
             engine.add_request(p, params, request_id=str(i), priority=prio)
         done = []
@@ -157,8 +192,9 @@ def test_priority_scheduling_from_generate(tiny_llama_dir):
             done += [o.request_id for o in engine.step() if o.finished]
         finish_order[policy] = done
     assert finish_order == {"fcfs": ["0", "1", "2", "3"], "priority": ["3", "1", "2", "0"]}
-    llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32",
-              scheduling_policy="priority")
+    llm = LLM(
+        tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", scheduling_policy="priority"
+    )
     outs = llm.generate(prompts[:2], GREEDY, use_tqdm=False, priority=[1, 0])
     assert [o["token_ids"] for o in outs] == [hf_greedy(tiny_llama_dir, tuple(p)) for p in prompts[:2]]
     with pytest.raises(ValueError, match="priority"):
@@ -168,19 +204,29 @@ def test_priority_scheduling_from_generate(tiny_llama_dir):
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(scheduling_policy="lifo"), "scheduling_policy"),
-    (dict(attention_backend="cuda"), "attention_backend"),
-    (dict(long_prefill_token_threshold=0), "long_prefill_token_threshold"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(scheduling_policy="lifo"), "scheduling_policy"),
+        (dict(attention_backend="cuda"), "attention_backend"),
+        (dict(long_prefill_token_threshold=0), "long_prefill_token_threshold"),
+    ],
+)
 def test_bad_scheduling_settings(tiny_llama_dir, kwargs, name):
     with pytest.raises(ValueError, match=name):
         LLMEngine(tiny_llama_dir, **kwargs)
 
 
 def test_chapter_knobs_reach_the_scheduler_and_the_attention_layers(tiny_llama_dir):
-    engine = LLMEngine(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32",
-                       long_prefill_token_threshold=5, attention_backend="torch", scheduling_policy="priority")
+    engine = LLMEngine(
+        tiny_llama_dir,
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=64,
+        dtype="float32",
+        long_prefill_token_threshold=5,
+        attention_backend="torch",
+        scheduling_policy="priority",
+    )
     assert engine.scheduler.long_prefill_token_threshold == 5 and engine.scheduler.policy == "priority"
     assert {a.backend for a in engine.executor.runner.attn_layers} == {"torch"}
     engine.add_request(make_prompts(14, (12,))[0], GREEDY, request_id="chunked")

@@ -11,27 +11,33 @@ from vllm_from_scratch.engine import IncrementalDetokenizer
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(default_model_dir(), dtype="float32", num_kvcache_blocks=64, max_model_len=512,
-               warm_up=False)  # seconds at start; test_engine_warm_up.py tests it
+    return LLM(
+        default_model_dir(), dtype="float32", num_kvcache_blocks=64, max_model_len=512, warm_up=False
+    )  # seconds at start; test_engine_warm_up.py tests it
 
 
 def chat(llm: LLM, question: str) -> str:
-    return llm.tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                             add_generation_prompt=True)
+    return llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
 
 
 @pytest.mark.slow
 def test_the_capital_of_france_is_paris(llm):
-    out = llm.generate([chat(llm, "What is the capital of France?")], SamplingParams(temperature=0.0, max_tokens=16),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [chat(llm, "What is the capital of France?")], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False
+    )[0]
     assert "Paris" in out["text"], out["text"]
     assert llm.llm_engine.block_manager.all_blocks_free()
 
 
 def test_stop_string_is_cut_from_text_and_stream(llm):
     engine = llm.llm_engine
-    engine.add_request(chat(llm, "What is the capital of France?"),
-                       SamplingParams(temperature=0.0, max_tokens=16, stop=["Paris"]), request_id="s")
+    engine.add_request(
+        chat(llm, "What is the capital of France?"),
+        SamplingParams(temperature=0.0, max_tokens=16, stop=["Paris"]),
+        request_id="s",
+    )
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
@@ -52,7 +58,7 @@ def test_incremental_detokenizer_never_splits_a_character(llm):
     for i in range(1, len(ids) + 1):
         before = detok.text
         detok.update(prompt + ids[:i])
-        pieces.append(detok.text[len(before):])
+        pieces.append(detok.text[len(before) :])
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == tok.decode(ids)
     assert len([p for p in pieces if p]) < len(ids)  # some tokens were half a character

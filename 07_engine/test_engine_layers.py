@@ -77,7 +77,7 @@ def test_float32_copy_of_a_bf16_weight_takes_large_matmuls_to_within_one_roundin
     if rows < FLOAT32_MIN_ROWS:  # the bf16 copy: bit for bit
         assert torch.equal(out, expected)
     else:  # the same exact products summed in another order, then one rounding to bf16
-        torch.testing.assert_close(out, expected, atol=2 ** -6, rtol=2 ** -7)
+        torch.testing.assert_close(out, expected, atol=2**-6, rtol=2**-7)
 
 
 @pytest.mark.skipif(not BF16_PACKING, reason="this CPU's oneDNN has no bfloat16 matmul")
@@ -105,8 +105,9 @@ def test_float32_packing_agrees_to_rounding_and_other_dtypes_are_not_packed():
 
 @pytest.mark.skipif(not BF16_PACKING, reason="this CPU's oneDNN has no bfloat16 matmul")
 def test_model_runner_packs_every_linear_and_logits_do_not_change(tiny_llama_dir):
-    runner = ModelRunner(EngineConfig(tiny_llama_dir, device="cpu", kvcache_block_size=4, num_kvcache_blocks=16,
-                                      dtype="bfloat16"))
+    runner = ModelRunner(
+        EngineConfig(tiny_llama_dir, device="cpu", kvcache_block_size=4, num_kvcache_blocks=16, dtype="bfloat16")
+    )
     model = runner.model
     packable = [m for m in model.modules() if isinstance(m, LinearBase)] + [model.lm_head]
     assert len(packable) == 4 * model.config.num_hidden_layers + 1
@@ -121,14 +122,24 @@ def test_model_runner_packs_every_linear_and_logits_do_not_change(tiny_llama_dir
     assert torch.equal(packed_logits, plain_logits)
 
 
-@pytest.mark.parametrize("rope_parameters", [
-    {"rope_type": "default", "rope_theta": 10000.0},
-    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-])
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
 def test_rotary_embedding_matches_hf(rope_parameters):
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=256,
-                      rope_parameters=rope_parameters)
+    cfg = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=256, rope_parameters=rope_parameters
+    )
     torch.manual_seed(0)
     positions = torch.tensor([0, 1, 7, 100, 255, 3])
     q, k = torch.randn(6, 4 * 16), torch.randn(6, 2 * 16)
@@ -137,23 +148,30 @@ def test_rotary_embedding_matches_hf(rope_parameters):
     oq, ok = rope(positions, q, k)
     hf_rope = hf_llama.LlamaRotaryEmbedding(cfg)
     cos, sin = hf_rope(q, positions.unsqueeze(0))
-    rq, rk = hf_llama.apply_rotary_pos_emb(q.view(1, 6, 4, 16).transpose(1, 2), k.view(1, 6, 2, 16).transpose(1, 2),
-                                           cos, sin)
+    rq, rk = hf_llama.apply_rotary_pos_emb(
+        q.view(1, 6, 4, 16).transpose(1, 2), k.view(1, 6, 2, 16).transpose(1, 2), cos, sin
+    )
     torch.testing.assert_close(oq, rq.transpose(1, 2).reshape(6, -1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ok, rk.transpose(1, 2).reshape(6, -1), atol=1e-5, rtol=1e-5)
 
 
 def test_rotary_embedding_in_bfloat16_matches_hf_bit_for_bit():
     """SmolLM2's RoPE (head 64, theta 1e5, 8,192 positions): same angles, same roundings."""
-    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, head_dim=64, max_position_embeddings=8192,
-                      rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    cfg = LlamaConfig(
+        hidden_size=576,
+        num_attention_heads=9,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    )
     torch.manual_seed(0)
     positions = torch.tensor([0, 1, 7, 100, 255, 3, 4000, 8191])
     q, k = (torch.randn(8, 9 * 64) * 3).bfloat16(), (torch.randn(8, 3 * 64) * 3).bfloat16()
     oq, ok = get_rope(64, 8192, 100000.0)(positions, q, k)
     cos, sin = hf_llama.LlamaRotaryEmbedding(cfg)(q, positions.unsqueeze(0))
-    rq, rk = hf_llama.apply_rotary_pos_emb(q.view(1, 8, 9, 64).transpose(1, 2), k.view(1, 8, 3, 64).transpose(1, 2),
-                                           cos, sin)
+    rq, rk = hf_llama.apply_rotary_pos_emb(
+        q.view(1, 8, 9, 64).transpose(1, 2), k.view(1, 8, 3, 64).transpose(1, 2), cos, sin
+    )
     assert torch.equal(oq, rq.transpose(1, 2).reshape(8, -1)) and torch.equal(ok, rk.transpose(1, 2).reshape(8, -1))
 
 
@@ -174,8 +192,8 @@ def test_registry_and_loader_fuse_qkv_and_gate_up(tiny_qwen3_dir):
         up = f.get_tensor("model.layers.1.mlp.up_proj.weight")
     qkv = model.model.layers[1].self_attn.qkv_proj.weight
     assert torch.equal(qkv[: q.shape[0]], q.bfloat16())
-    assert torch.equal(qkv[-v.shape[0]:], v.bfloat16())
-    assert torch.equal(model.model.layers[1].mlp.gate_up_proj.weight[up.shape[0]:], up.bfloat16())
+    assert torch.equal(qkv[-v.shape[0] :], v.bfloat16())
+    assert torch.equal(model.model.layers[1].mlp.gate_up_proj.weight[up.shape[0] :], up.bfloat16())
 
 
 def test_unknown_architecture_is_a_value_error():

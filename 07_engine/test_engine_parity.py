@@ -35,9 +35,10 @@ def _hf_model(model_dir: str):
 @functools.cache
 def hf_greedy(model_dir: str, prompt: tuple[int, ...], max_tokens: int = MAX_TOKENS) -> list[int]:
     """transformers' greedy continuation of one prompt (stops at EOS like the engine)."""
-    out = _hf_model(model_dir).generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                                        pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = _hf_model(model_dir).generate(
+        torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def assert_parity(llm: LLM, model_dir: str, prompts: list[list[int]]) -> None:
@@ -59,8 +60,9 @@ FEATURES = {
     "prefix_caching": dict(enable_prefix_caching=True, enable_chunked_prefill=False),
     "chunked_prefill": dict(enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=16),
     "preemption": dict(enable_prefix_caching=False, enable_chunked_prefill=False, num_kvcache_blocks=12),
-    "all": dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=16,
-                num_kvcache_blocks=12),
+    "all": dict(
+        enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=16, num_kvcache_blocks=12
+    ),
 }
 
 
@@ -92,8 +94,15 @@ def test_greedy_matches_transformers(model_dir, feature):
 
 def test_chunked_prefill_really_chunks(tiny_llama_dir):
     """With a 16-token budget the 40-token prompt needs three steps before its first token."""
-    llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32",
-              enable_chunked_prefill=True, max_num_batched_tokens=16, enable_prefix_caching=False)
+    llm = LLM(
+        tiny_llama_dir,
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=64,
+        dtype="float32",
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
     engine = llm.llm_engine
     prompt = make_prompts(2, (40,))[0]
     engine.add_request(prompt, GREEDY)
@@ -109,8 +118,9 @@ def test_chunked_prefill_really_chunks(tiny_llama_dir):
 
 def test_mixed_batches_with_decodes_and_late_arrivals(tiny_qwen3_dir):
     """Requests arriving while others decode share forwards (prefill chunks + decode tokens)."""
-    llm = LLM(tiny_qwen3_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32",
-              max_num_batched_tokens=24)
+    llm = LLM(
+        tiny_qwen3_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", max_num_batched_tokens=24
+    )
     engine = llm.llm_engine
     prompts = make_prompts(3, (9, 30, 3, 21))
     done = {}
@@ -138,8 +148,16 @@ def test_greedy_matches_transformers_on_each_attention_backend(tiny_llama_dir, b
     """
     from vllm_from_scratch.layers.attention import Attention
 
-    llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", device="cpu",
-              enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32)
+    llm = LLM(
+        tiny_llama_dir,
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=64,
+        dtype="float32",
+        device="cpu",
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=32,
+    )
     layers = [m for m in llm.llm_engine.executor.runner.model.modules() if isinstance(m, Attention)]
     assert layers
     for layer in layers:

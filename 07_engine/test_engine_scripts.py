@@ -15,8 +15,9 @@ HERE = Path(__file__).parent
 
 @pytest.mark.slow
 def test_demo_chats_offline():
-    out = subprocess.run([sys.executable, str(HERE / "demo.py"), "--max-tokens", "10"], capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(HERE / "demo.py"), "--max-tokens", "10"], capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Paris" in out.stdout and "Rome" in out.stdout
     assert "prefix-cache hits" in out.stdout
@@ -32,9 +33,30 @@ def test_scripts_have_help(script):
 def test_bench_runs_both_sides_and_writes_json(tiny_llama_dir, tmp_path):
     # A tiny checkpoint and workload: this checks the script's plumbing, not a speed.
     out_json = tmp_path / "bench.json"
-    cmd = [sys.executable, str(HERE / "bench.py"), "--model", str(tiny_llama_dir), "--num-requests", "3",
-           "--input-len", "4", "12", "--output-len", "2", "5", "--hf-batch-sizes", "2", "3", "--threads", "1",
-           "--hf-dtypes", "float32", "bfloat16", "--json", str(out_json)]
+    cmd = [
+        sys.executable,
+        str(HERE / "bench.py"),
+        "--model",
+        str(tiny_llama_dir),
+        "--num-requests",
+        "3",
+        "--input-len",
+        "4",
+        "12",
+        "--output-len",
+        "2",
+        "5",
+        "--hf-batch-sizes",
+        "2",
+        "3",
+        "--threads",
+        "1",
+        "--hf-dtypes",
+        "float32",
+        "bfloat16",
+        "--json",
+        str(out_json),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "output tok/s" in out.stdout and "load average" in out.stdout
@@ -55,11 +77,47 @@ def test_bench_chapters_runs_the_four_ab_runs(tiny_llama_dir, tmp_path):
     """Plumbing on a tiny checkpoint (no speed claims): every table prints, the A/B runs agree on
     the greedy tokens (float32), and the JSON holds each run's figures."""
     out_json = tmp_path / "chapters.json"
-    cmd = [sys.executable, str(HERE / "bench_chapters.py"), "--model", str(tiny_llama_dir), "--dtype", "float32",
-           "--max-model-len", "512", "--shared-len", "40", "--prefix-requests", "3", "--decode-tokens", "10",
-           "--long-len", "100", "--first-long-at", "2", "--long-every", "3", "--chunk", "16", "--spec-tokens", "10",
-           "--spec-batches", "1", "2", "--low-requests", "6", "--high-requests", "2", "--high-at", "2",
-           "--priority-tokens", "5", "--max-num-seqs", "2", "--json", str(out_json)]
+    cmd = [
+        sys.executable,
+        str(HERE / "bench_chapters.py"),
+        "--model",
+        str(tiny_llama_dir),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--shared-len",
+        "40",
+        "--prefix-requests",
+        "3",
+        "--decode-tokens",
+        "10",
+        "--long-len",
+        "100",
+        "--first-long-at",
+        "2",
+        "--long-every",
+        "3",
+        "--chunk",
+        "16",
+        "--spec-tokens",
+        "10",
+        "--spec-batches",
+        "1",
+        "2",
+        "--low-requests",
+        "6",
+        "--high-requests",
+        "2",
+        "--high-at",
+        "2",
+        "--priority-tokens",
+        "5",
+        "--max-num-seqs",
+        "2",
+        "--json",
+        str(out_json),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     for title in ("Chapter 03", "Chapter 06", "Chapter 05", "Chapter 04", "load average"):

@@ -20,8 +20,9 @@ from vllm_from_scratch.sampler import SamplingTensors
 def test_verify_drafts_keeps_the_agreeing_prefix_then_one_token(tiny_llama_dir):
     """Greedy rows: a's first draft agrees with the target, its second does not; b has no drafts;
     c is a prompt chunk that samples nothing."""
-    runner = ModelRunner(EngineConfig(tiny_llama_dir, device="cpu", kvcache_block_size=4, num_kvcache_blocks=8,
-                                      dtype="float32"))
+    runner = ModelRunner(
+        EngineConfig(tiny_llama_dir, device="cpu", kvcache_block_size=4, num_kvcache_blocks=8, dtype="float32")
+    )
     info = SchedulerInfo()
     info.add_row("a", [7, 11, 12], 5, [0, 1], samples=True, num_spec=2, is_decoding=True)
     info.add_row("b", [9], 3, [2], samples=True, is_decoding=True)
@@ -35,8 +36,9 @@ def test_verify_drafts_keeps_the_agreeing_prefix_then_one_token(tiny_llama_dir):
 
 
 def _spec_llm(model_dir, spec, **kw):
-    return LLM(model_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=128, dtype="float32",
-               speculative_config=spec, **kw)
+    return LLM(
+        model_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=128, dtype="float32", speculative_config=spec, **kw
+    )
 
 
 @pytest.mark.parametrize("draft", ["same", "other"])
@@ -58,8 +60,7 @@ def test_draft_model_keeps_greedy_output(tiny_llama_dir, tiny_qwen3_dir, draft):
 
 
 def test_ngram_keeps_greedy_output_with_chunks_and_prefix_cache(tiny_qwen3_dir):
-    llm = _spec_llm(tiny_qwen3_dir, {"method": "ngram", "num_speculative_tokens": 4},
-                    max_num_batched_tokens=16)
+    llm = _spec_llm(tiny_qwen3_dir, {"method": "ngram", "num_speculative_tokens": 4}, max_num_batched_tokens=16)
     base = make_prompts(6, (6,))[0]
     prompts = [base * 4, make_prompts(7, (23,))[0], base * 2 + [5, 6]]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -78,12 +79,15 @@ def test_sampled_spec_decoding_runs_and_frees_blocks(tiny_llama_dir):
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("spec, name", [
-    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "bogus"),
-])
+@pytest.mark.parametrize(
+    "spec, name",
+    [
+        ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "bogus"),
+    ],
+)
 def test_bad_speculative_config_names_the_key(tiny_llama_dir, spec, name):
     with pytest.raises(ValueError, match=name):
         _spec_llm(tiny_llama_dir, spec)

@@ -20,8 +20,14 @@ SHARED = make_prompts(21, (40,))[0]  # 5 blocks of 8
 
 
 def pooled_llm(model_dir, role="kv_both", **kw) -> LLM:
-    return LLM(model_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32",
-               kv_transfer_config={"kv_connector": "embedded", "kv_role": role}, **kw)
+    return LLM(
+        model_dir,
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=64,
+        dtype="float32",
+        kv_transfer_config={"kv_connector": "embedded", "kv_role": role},
+        **kw,
+    )
 
 
 def prompts_sharing_a_prefix(n=3):
@@ -138,16 +144,19 @@ def test_an_aborted_request_waiting_for_its_kv_frees_its_blocks(tiny_llama_dir):
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("config, name", [
-    ({"kv_connector": "redis"}, "kv_connector"),
-    ({"kv_role": "kv_both"}, "kv_connector"),
-    ({"kv_connector": "embedded", "kv_role": "both"}, "kv_role"),
-    ({"kv_connector": "mooncake"}, "master_server_address"),
-    ({"kv_connector": "embedded", "global_segment_size": -1}, "global_segment_size"),
-    ({"kv_connector": "embedded", "protocol": "udp"}, "protocol"),
-    ({"kv_connector": "embedded", "colour": "red"}, "colour"),
-    ("mooncake", "kv_transfer_config"),
-])
+@pytest.mark.parametrize(
+    "config, name",
+    [
+        ({"kv_connector": "redis"}, "kv_connector"),
+        ({"kv_role": "kv_both"}, "kv_connector"),
+        ({"kv_connector": "embedded", "kv_role": "both"}, "kv_role"),
+        ({"kv_connector": "mooncake"}, "master_server_address"),
+        ({"kv_connector": "embedded", "global_segment_size": -1}, "global_segment_size"),
+        ({"kv_connector": "embedded", "protocol": "udp"}, "protocol"),
+        ({"kv_connector": "embedded", "colour": "red"}, "colour"),
+        ("mooncake", "kv_transfer_config"),
+    ],
+)
 def test_bad_kv_transfer_config_names_the_key(tiny_llama_dir, config, name):
     with pytest.raises(ParameterError, match=name):
         LLM(tiny_llama_dir, kv_transfer_config=config)

@@ -22,9 +22,11 @@ from mooncake_launcher import MooncakeClient, MooncakeMaster, mooncake_unavailab
 from server_testing import ServerProcess
 from vllm_from_scratch import LLM, SamplingParams, default_model_dir
 
-pytestmark = [pytest.mark.mooncake, pytest.mark.slow,
-              pytest.mark.skipif(mooncake_unavailable_reason() is not None,
-                                 reason=str(mooncake_unavailable_reason()))]
+pytestmark = [
+    pytest.mark.mooncake,
+    pytest.mark.slow,
+    pytest.mark.skipif(mooncake_unavailable_reason() is not None, reason=str(mooncake_unavailable_reason())),
+]
 
 HERE = Path(__file__).parent
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -38,8 +40,13 @@ def store():
 
 
 def pool_config(master, role: str) -> dict:
-    return {"kv_connector": "mooncake", "kv_role": role, "master_server_address": master.master_addr,
-            "metadata_server": master.metadata_url, "global_segment_size": 0}
+    return {
+        "kv_connector": "mooncake",
+        "kv_role": role,
+        "master_server_address": master.master_addr,
+        "metadata_server": master.metadata_url,
+        "global_segment_size": 0,
+    }
 
 
 def engine(pool: dict | None = None) -> LLM:
@@ -55,9 +62,27 @@ def prompts(n=3, shared=96):
 def test_a_second_process_is_served_from_the_pool(tmp_path):
     """The book's measurement, small: bench_engine_kv_pool.py's cold / producer / consumer processes."""
     out = tmp_path / "pool.json"
-    proc = subprocess.run([sys.executable, str(HERE / "bench_engine_kv_pool.py"), "--dtype", "float32", "--requests", "3",
-                           "--shared-len", "64", "--distinct-len", "8", "--new-tokens", "4", "--json", str(out)],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "bench_engine_kv_pool.py"),
+            "--dtype",
+            "float32",
+            "--requests",
+            "3",
+            "--shared-len",
+            "64",
+            "--distinct-len",
+            "8",
+            "--new-tokens",
+            "4",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["requests_with_identical_tokens"] == 3
@@ -71,12 +96,33 @@ def test_a_second_process_is_served_from_the_pool(tmp_path):
 
 
 def test_disaggregated_prefill_and_decode_through_the_proxy(store):
-    base = ["vllm_from_scratch.serve", "--dtype", "float32", "--max-model-len", "512", "--num-kvcache-blocks",
-            "128", "--log-level", "warning", "--kv-transfer-config"]
-    with ServerProcess(base + [json.dumps(pool_config(store, "kv_producer"))]) as prefill, \
-            ServerProcess(base + [json.dumps(pool_config(store, "kv_consumer"))]) as decode, \
-            ServerProcess(["vllm_from_scratch.disagg_proxy", "--prefill", prefill.url, "--decode", decode.url,
-                           "--log-level", "warning"]) as proxy:
+    base = [
+        "vllm_from_scratch.serve",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--num-kvcache-blocks",
+        "128",
+        "--log-level",
+        "warning",
+        "--kv-transfer-config",
+    ]
+    with (
+        ServerProcess(base + [json.dumps(pool_config(store, "kv_producer"))]) as prefill,
+        ServerProcess(base + [json.dumps(pool_config(store, "kv_consumer"))]) as decode,
+        ServerProcess(
+            [
+                "vllm_from_scratch.disagg_proxy",
+                "--prefill",
+                prefill.url,
+                "--decode",
+                decode.url,
+                "--log-level",
+                "warning",
+            ]
+        ) as proxy,
+    ):
         direct = openai.OpenAI(base_url=prefill.url + "/v1", api_key="-", max_retries=0, timeout=120)
         via_proxy = openai.OpenAI(base_url=proxy.url + "/v1", api_key="-", max_retries=0, timeout=120)
         model = direct.models.list().data[0].id
@@ -87,8 +133,12 @@ def test_disaggregated_prefill_and_decode_through_the_proxy(store):
         assert "Paris" in answer.choices[0].message.content
         # The decode instance computed only what the pool did not hold.
         assert answer.usage.prompt_tokens_details.cached_tokens >= 16
-        streamed = "".join(c.choices[0].delta.content or "" for c in via_proxy.chat.completions.create(
-            **{**ask, "messages": CAPITAL + [{"role": "user", "content": "And of Italy?"}]}, stream=True))
+        streamed = "".join(
+            c.choices[0].delta.content or ""
+            for c in via_proxy.chat.completions.create(
+                **{**ask, "messages": CAPITAL + [{"role": "user", "content": "And of Italy?"}]}, stream=True
+            )
+        )
         assert streamed
 
 
@@ -117,9 +167,11 @@ def test_a_producer_killed_while_publishing_costs_nothing_but_time(store, tmp_pa
         f"llm = engine({pool_config(store, 'kv_producer')!r})\n"
         "print('READY', flush=True)\n"
         "while True:\n"
-        "    llm.generate(prompts(8, shared=320), GREEDY, use_tqdm=False)\n")
-    producer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                text=True)
+        "    llm.generate(prompts(8, shared=320), GREEDY, use_tqdm=False)\n"
+    )
+    producer = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         assert producer.stdout.readline().strip() == "READY"
         time.sleep(2.0)  # mid-run: some blocks published, some being published

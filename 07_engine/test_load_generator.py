@@ -21,11 +21,11 @@ from vllm_from_scratch.default_model import default_model_dir
 
 
 def test_summary_follows_vllm_bench_definitions():
-    results = [lg.RequestResult(ok=True, prompt_tokens=10, output_tokens=5, ttft=0.1, e2e=0.5,
-                                itl=[0.1, 0.1, 0.1, 0.1]),
-               lg.RequestResult(ok=True, prompt_tokens=20, output_tokens=3, ttft=0.3, e2e=0.7,
-                                itl=[0.2, 0.2]),
-               lg.RequestResult(error="HTTP 400")]
+    results = [
+        lg.RequestResult(ok=True, prompt_tokens=10, output_tokens=5, ttft=0.1, e2e=0.5, itl=[0.1, 0.1, 0.1, 0.1]),
+        lg.RequestResult(ok=True, prompt_tokens=20, output_tokens=3, ttft=0.3, e2e=0.7, itl=[0.2, 0.2]),
+        lg.RequestResult(error="HTTP 400"),
+    ]
     s = lg.summarize(results, duration=2.0)
     assert s["successful_requests"] == 2 and s["failed_requests"] == 1
     assert s["request_throughput"] == pytest.approx(1.0)
@@ -79,8 +79,9 @@ def scripted_server():
     engine = ScriptedEngine(AutoTokenizer.from_pretrained(default_model_dir()))
     engine.step_delay = 0.002
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "scripted", api_key=KEY), host="127.0.0.1",
-                                           port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(build_app(engine, "scripted", api_key=KEY), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 20
@@ -95,8 +96,25 @@ def scripted_server():
 @pytest.mark.parametrize("rate", ["inf", "50"])
 def test_run_against_a_live_server(scripted_server, rate, capsys):
     url, engine = scripted_server
-    summary = lg.main(["--base-url", url, "--api-key", KEY, "--num-requests", "12", "--request-rate", rate,
-                       "--input-len", "4:8", "--output-len", "3:6", "--quiet", "--seed", "3"])
+    summary = lg.main(
+        [
+            "--base-url",
+            url,
+            "--api-key",
+            KEY,
+            "--num-requests",
+            "12",
+            "--request-rate",
+            rate,
+            "--input-len",
+            "4:8",
+            "--output-len",
+            "3:6",
+            "--quiet",
+            "--seed",
+            "3",
+        ]
+    )
     items = lg.random_workload(default_model_dir(), 12, (4, 8), (3, 6), seed=3)
     assert summary["successful_requests"] == 12 and summary["failed_requests"] == 0
     assert summary["total_input_tokens"] == sum(len(w.prompt) for w in items)
@@ -111,8 +129,24 @@ def test_max_duration_bounds_the_run(scripted_server):
     engine.step_delay = 0.05
     try:
         start = time.perf_counter()
-        summary = lg.main(["--base-url", url, "--api-key", KEY, "--num-requests", "4", "--input-len", "4",
-                           "--output-len", "60", "--max-duration", "0.5", "--quiet", "--no-warmup"])
+        summary = lg.main(
+            [
+                "--base-url",
+                url,
+                "--api-key",
+                KEY,
+                "--num-requests",
+                "4",
+                "--input-len",
+                "4",
+                "--output-len",
+                "60",
+                "--max-duration",
+                "0.5",
+                "--quiet",
+                "--no-warmup",
+            ]
+        )
         assert time.perf_counter() - start < 5
         assert summary["failed_requests"] == 4
         assert summary["errors"] == ["cancelled at --max-duration"]
@@ -127,8 +161,19 @@ def test_max_duration_bounds_the_run(scripted_server):
 
 def test_api_key_from_the_flag_or_openai_api_key(scripted_server, monkeypatch, tmp_path):
     url, _ = scripted_server
-    argv = ["--base-url", url, "--num-requests", "2", "--input-len", "4", "--output-len", "2", "--quiet",
-            "--result-json", str(tmp_path / "result.json")]
+    argv = [
+        "--base-url",
+        url,
+        "--num-requests",
+        "2",
+        "--input-len",
+        "4",
+        "--output-len",
+        "2",
+        "--quiet",
+        "--result-json",
+        str(tmp_path / "result.json"),
+    ]
     monkeypatch.setenv("OPENAI_API_KEY", KEY)  # what `vllm bench serve` reads
     assert lg.main(argv)["successful_requests"] == 2
     assert KEY not in (tmp_path / "result.json").read_text()
@@ -138,6 +183,5 @@ def test_api_key_from_the_flag_or_openai_api_key(scripted_server, monkeypatch, t
 
 
 def test_help_runs():
-    out = subprocess.run([sys.executable, str(Path(lg.__file__)), "--help"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, str(Path(lg.__file__)), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--request-rate" in out.stdout

@@ -32,9 +32,21 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def base_url():
     # The key through the environment, as a teacher would pass it (not in the process list).
-    with ServerProcess(["vllm_from_scratch.serve", "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
-                        "--num-kvcache-blocks", "160", "--log-level", "warning"],
-                       startup_timeout_s=180, env={"VLLM_API_KEY": KEY}) as server:
+    with ServerProcess(
+        [
+            "vllm_from_scratch.serve",
+            "--max-num-seqs",
+            "16",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--num-kvcache-blocks",
+            "160",
+            "--log-level",
+            "warning",
+        ],
+        startup_timeout_s=180,
+        env={"VLLM_API_KEY": KEY},
+    ) as server:
         yield server.url
 
 
@@ -64,8 +76,13 @@ def test_chat_answers_paris(client):
 
 
 def test_completion_with_extra_body_fields(client):
-    resp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
-                                     temperature=0, extra_body={"ignore_eos": True, "top_k": 5})
+    resp = client.completions.create(
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True, "top_k": 5},
+    )
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.completion_tokens == 6
     assert resp.choices[0].text.strip()
@@ -73,9 +90,16 @@ def test_completion_with_extra_body_fields(client):
 
 def test_chat_stream_concatenates_to_the_non_streamed_answer(client):
     whole = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=12)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0,
-                                                 max_tokens=12, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CAPITAL,
+            temperature=0,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
@@ -90,8 +114,7 @@ def test_completion_stream_concatenates_to_the_non_streamed_answer(client):
 
 
 def test_stop_string_ends_the_answer(client):
-    resp = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0,
-                                          max_tokens=12, stop=["Paris"])
+    resp = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=12, stop=["Paris"])
     assert resp.choices[0].finish_reason == "stop"
     assert "Paris" not in resp.choices[0].message.content
 
@@ -100,10 +123,18 @@ def test_dozens_of_concurrent_requests_are_all_answered(base_url):
     async def run():
         aclient = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
         async with aclient:
-            return await asyncio.gather(*[
-                aclient.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=4,
-                                           temperature=0, extra_body={"ignore_eos": True})
-                for i in range(24)])
+            return await asyncio.gather(
+                *[
+                    aclient.completions.create(
+                        model=MODEL,
+                        prompt=f"Count to {i}:",
+                        max_tokens=4,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for i in range(24)
+                ]
+            )
 
     results = asyncio.run(run())
     assert len(results) == 24
@@ -125,8 +156,11 @@ def test_bad_inputs_get_4xx_and_the_server_keeps_serving(client, base_url):
         assert info.value.body["param"] == param, info.value.body
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_prompt}])
-    raw = httpx.post(base_url + "/v1/chat/completions", content=b'{"messages": [',
-                     headers={"content-type": "application/json", **AUTH})
+    raw = httpx.post(
+        base_url + "/v1/chat/completions",
+        content=b'{"messages": [',
+        headers={"content-type": "application/json", **AUTH},
+    )
     assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(base_url + "/health").status_code == 200
     ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
@@ -135,8 +169,7 @@ def test_bad_inputs_get_4xx_and_the_server_keeps_serving(client, base_url):
 
 def test_disconnect_mid_stream_aborts_and_frees(base_url):
     aborted_before = _abort_count(base_url)
-    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
-            "stream": True}
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60, headers=AUTH) as http:
         with http.stream("POST", base_url + "/v1/completions", json=body) as resp:
             received = []
@@ -147,8 +180,9 @@ def test_disconnect_mid_stream_aborts_and_frees(base_url):
                     break
         assert metric(base_url, "vllm:generation_tokens_total") > 0
     deadline = time.time() + 20
-    while time.time() < deadline and (metric(base_url, "vllm:num_requests_running") != 0
-                                      or metric(base_url, "vllm:kv_cache_usage_perc") != 0):
+    while time.time() < deadline and (
+        metric(base_url, "vllm:num_requests_running") != 0 or metric(base_url, "vllm:kv_cache_usage_perc") != 0
+    ):
         time.sleep(0.1)
     assert metric(base_url, "vllm:num_requests_running") == 0
     assert metric(base_url, "vllm:kv_cache_usage_perc") == 0
@@ -162,8 +196,9 @@ def test_client_timeout_on_a_non_streamed_request_aborts_it(base_url):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(base_url + "/v1/completions", json=body, timeout=1.5, headers=AUTH)
     deadline = time.time() + 20
-    while time.time() < deadline and (metric(base_url, "vllm:num_requests_running") != 0
-                                      or metric(base_url, "vllm:kv_cache_usage_perc") != 0):
+    while time.time() < deadline and (
+        metric(base_url, "vllm:num_requests_running") != 0 or metric(base_url, "vllm:kv_cache_usage_perc") != 0
+    ):
         time.sleep(0.1)
     assert metric(base_url, "vllm:num_requests_running") == 0
     assert metric(base_url, "vllm:kv_cache_usage_perc") == 0
@@ -178,23 +213,44 @@ def _abort_count(base_url: str) -> float:
 
 def test_metrics_after_traffic(client, base_url):
     for _ in range(2):  # the same prompt twice: the second reuses the first's full blocks
-        client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "x " * 40}, *CAPITAL],
-                                       temperature=0, max_tokens=2)
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "system", "content": "x " * 40}, *CAPITAL], temperature=0, max_tokens=2
+        )
     assert metric(base_url, "vllm:prefix_cache_hits_total") > 0
     assert metric(base_url, "vllm:prefix_cache_queries_total") >= metric(base_url, "vllm:prefix_cache_hits_total")
     assert metric(base_url, "vllm:prompt_tokens_total") > 0
     assert metric(base_url, "vllm:num_preemptions_total") >= 0
     assert metric(base_url, "vllm:num_requests_waiting") == 0
-    for name in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
-                 "vllm:inter_token_latency_seconds_count"):
+    for name in (
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+    ):
         assert metric(base_url, name) > 0
 
 
 def test_load_generator_against_the_server(base_url):
-    out = subprocess.run([sys.executable, str(Path(__file__).parent / "load_generator.py"), "--base-url", base_url,
-                          "--num-requests", "6", "--request-rate", "inf", "--input-len", "16:32",
-                          "--output-len", "4", "--quiet"], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OPENAI_API_KEY": KEY})
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "load_generator.py"),
+            "--base-url",
+            base_url,
+            "--num-requests",
+            "6",
+            "--request-rate",
+            "inf",
+            "--input-len",
+            "16:32",
+            "--output-len",
+            "4",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OPENAI_API_KEY": KEY},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert re.search(r"Successful requests:\s+6\b", out.stdout), out.stdout
     assert re.search(r"Total generated tokens:\s+24\b", out.stdout), out.stdout
@@ -204,22 +260,32 @@ def test_the_key_guards_the_api_but_not_the_probes(base_url):
     stranger = openai.OpenAI(base_url=base_url + "/v1", api_key="EMPTY", max_retries=0, timeout=30)
     with pytest.raises(openai.AuthenticationError) as info:
         stranger.models.list()
-    assert info.value.body == {"message": "Unauthorized", "type": "invalid_request_error", "param": None,
-                               "code": "invalid_api_key"}
+    assert info.value.body == {
+        "message": "Unauthorized",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
     with pytest.raises(openai.AuthenticationError):
         stranger.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert httpx.get(base_url + "/health").status_code == 200
     assert httpx.get(base_url + "/metrics").status_code == 200
 
 
-@pytest.mark.parametrize("path, raw, param", [
-    ("/v1/completions", b'{"prompt": "hi", "seed": 123456789012345678901234567890}', "seed"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
-     "temperature"),
-    ("/v1/completions", b'{"prompt": "hi", "priority": 9223372036854775808}', "priority"),
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 100000000000000000000}', "max_tokens"),
-    ("/v1/completions", b'{"prompt": "hi", "top_k": -5}', "top_k"),
-])
+@pytest.mark.parametrize(
+    "path, raw, param",
+    [
+        ("/v1/completions", b'{"prompt": "hi", "seed": 123456789012345678901234567890}', "seed"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+            "temperature",
+        ),
+        ("/v1/completions", b'{"prompt": "hi", "priority": 9223372036854775808}', "priority"),
+        ("/v1/completions", b'{"prompt": "hi", "max_tokens": 100000000000000000000}', "max_tokens"),
+        ("/v1/completions", b'{"prompt": "hi", "top_k": -5}', "top_k"),
+    ],
+)
 def test_bad_values_name_their_parameter_on_the_real_engine(base_url, path, raw, param):
     resp = httpx.post(base_url + path, content=raw, headers={"content-type": "application/json", **AUTH})
     assert resp.status_code == 400, resp.text
@@ -234,7 +300,8 @@ def test_an_oversize_body_gets_a_413_and_the_server_keeps_serving(client):
 
 
 def test_serve_help():
-    out = subprocess.run([sys.executable, "-m", "vllm_from_scratch.serve", "--help"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_from_scratch.serve", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0
     assert all(flag in out.stdout for flag in ("--max-num-seqs", "--api-key", "--max-request-bytes"))

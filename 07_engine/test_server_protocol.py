@@ -46,8 +46,13 @@ class ScriptedEngine:
         self.requests = {}
         self.aborted = []
         self.priorities = {}
-        self.stats = dict(prompt_tokens_total=0, generation_tokens_total=0, prefix_cache_queries=0,
-                          prefix_cache_hits=0, num_preemptions_total=0)
+        self.stats = dict(
+            prompt_tokens_total=0,
+            generation_tokens_total=0,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_preemptions_total=0,
+        )
         self.step_delay = 0.0
 
     def add_request(self, prompt, params, request_id=None, priority=0, fit_max_tokens=True):
@@ -80,14 +85,28 @@ class ScriptedEngine:
             done = len(r["out"]) >= r["max_tokens"]
             if done:
                 del self.requests[rid]
-            outputs.append(RequestOutput(rid, [tok], list(r["out"]), piece,
-                               "".join(self.tokenizer.decode([t]) for t in r["out"]), done,
-                               "length" if done else None, len(r["prompt"]), 0))
+            outputs.append(
+                RequestOutput(
+                    rid,
+                    [tok],
+                    list(r["out"]),
+                    piece,
+                    "".join(self.tokenizer.decode([t]) for t in r["out"]),
+                    done,
+                    "length" if done else None,
+                    len(r["prompt"]),
+                    0,
+                )
+            )
         return outputs
 
     def get_stats(self):
-        return dict(self.stats, num_requests_running=len(self.requests), num_requests_waiting=0,
-                    kv_cache_usage=0.25 if self.requests else 0.0)
+        return dict(
+            self.stats,
+            num_requests_running=len(self.requests),
+            num_requests_waiting=0,
+            kv_cache_usage=0.25 if self.requests else 0.0,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +130,7 @@ def sse_events(raw: str) -> list[str]:
     assert raw.endswith("\n\n"), "every event ends with a blank line"
     events = raw[:-2].split("\n\n")
     assert all(e.startswith("data: ") for e in events), events
-    return [e[len("data: "):] for e in events]
+    return [e[len("data: ") :] for e in events]
 
 
 def assert_error(resp, status, param=None, code=None):
@@ -144,8 +163,10 @@ def test_completion_returns_text_and_usage(client, tokenizer):
 
 
 def test_priority_in_the_body_reaches_the_engine(client, engine):
-    for path, body in (("/v1/completions", {"prompt": [10, 11]}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+    for path, body in (
+        ("/v1/completions", {"prompt": [10, 11]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
         resp = client.post(path, json={"model": MODEL, "max_tokens": 2, "priority": -3, **body})
         assert resp.status_code == 200, resp.text
     assert list(engine.priorities.values()) == [-3, -3]
@@ -154,8 +175,7 @@ def test_priority_in_the_body_reaches_the_engine(client, engine):
 def test_stream_chunks_concatenate_and_end_with_done(client):
     req = {"model": MODEL, "prompt": "Hello there, friend", "max_tokens": 6}
     whole = client.post("/v1/completions", json=req).json()
-    raw = client.post("/v1/completions", json={**req, "stream": True,
-                                                 "stream_options": {"include_usage": True}})
+    raw = client.post("/v1/completions", json={**req, "stream": True, "stream_options": {"include_usage": True}})
     assert raw.headers["content-type"].startswith("text/event-stream")
     events = sse_events(raw.text)
     assert events[-1] == "[DONE]"
@@ -171,8 +191,9 @@ def test_chat_stream_announces_role_then_content(client, tokenizer):
     whole = client.post("/v1/chat/completions", json=req).json()
     assert whole["object"] == "chat.completion"
     assert whole["choices"][0]["message"]["role"] == "assistant"
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                           add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert whole["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt, add_special_tokens=False))
     events = sse_events(client.post("/v1/chat/completions", json={**req, "stream": True}).text)
     assert events[-1] == "[DONE]"
@@ -191,23 +212,26 @@ def test_batched_prompts_give_one_choice_each(client, tokenizer):
     assert body["usage"]["completion_tokens"] == 6
 
 
-@pytest.mark.parametrize("payload, status, param", [
-    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
-    ({"prompt": "hi", "n": 2}, 400, "n"),
-    ({"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
-    ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
-    ({"prompt": "hi", "echo": True}, 400, "echo"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
-    ({"prompt": "hi", "top_p": 0.0}, 400, "top_p"),
-    ({"prompt": "hi", "top_k": -7}, 400, "top_k"),
-    ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": [1, 2, 10**6]}, 400, "prompt"),
-    ({"prompt": list(range(10, 80))}, 400, "prompt"),
-    ({"prompt": list(range(10, 60)), "max_tokens": 30}, 400, "max_tokens"),
-    ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
-    ({"max_tokens": 3}, 400, "prompt"),
-])
+@pytest.mark.parametrize(
+    "payload, status, param",
+    [
+        ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+        ({"prompt": "hi", "n": 2}, 400, "n"),
+        ({"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+        ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
+        ({"prompt": "hi", "echo": True}, 400, "echo"),
+        ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+        ({"prompt": "hi", "top_p": 0.0}, 400, "top_p"),
+        ({"prompt": "hi", "top_k": -7}, 400, "top_k"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": [1, 2, 10**6]}, 400, "prompt"),
+        ({"prompt": list(range(10, 80))}, 400, "prompt"),
+        ({"prompt": list(range(10, 60)), "max_tokens": 30}, 400, "max_tokens"),
+        ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+        ({"max_tokens": 3}, 400, "prompt"),
+    ],
+)
 def test_bad_completion_requests_get_openai_errors(client, payload, status, param):
     assert_error(client.post("/v1/completions", json=payload), status, param)
     ok = client.post("/v1/completions", json={"prompt": [10], "max_tokens": 1})
@@ -215,21 +239,29 @@ def test_bad_completion_requests_get_openai_errors(client, payload, status, para
 
 
 def test_error_codes_follow_openai(client):
-    assert_error(client.post("/v1/completions", json={"prompt": "x", "model": "nope"}), 404, "model",
-                 code="model_not_found")
-    assert_error(client.post("/v1/completions", json={"prompt": list(range(10, 80))}), 400, "prompt",
-                 code="context_length_exceeded")
+    assert_error(
+        client.post("/v1/completions", json={"prompt": "x", "model": "nope"}), 404, "model", code="model_not_found"
+    )
+    assert_error(
+        client.post("/v1/completions", json={"prompt": list(range(10, 80))}),
+        400,
+        "prompt",
+        code="context_length_exceeded",
+    )
 
 
-@pytest.mark.parametrize("payload, param", [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x " * 80}]}, "messages"),
-])
+@pytest.mark.parametrize(
+    "payload, param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "x " * 80}]}, "messages"),
+    ],
+)
 def test_bad_chat_requests_get_openai_errors(client, payload, param):
     assert_error(client.post("/v1/chat/completions", json=payload), 400, param)
 
@@ -238,8 +270,9 @@ def test_invalid_json_is_a_400_not_a_crash(client):
     resp = client.post("/v1/completions", content=b'{"prompt": "hi", ', headers={"content-type": "application/json"})
     err = assert_error(resp, 400)
     assert "JSON" in err["message"]
-    assert_error(client.post("/v1/chat/completions", content=b"[1, 2]",
-                             headers={"content-type": "application/json"}), 400)
+    assert_error(
+        client.post("/v1/chat/completions", content=b"[1, 2]", headers={"content-type": "application/json"}), 400
+    )
     assert client.get("/health").status_code == 200
 
 
@@ -256,8 +289,7 @@ def test_metrics_use_vllm_names_and_count_requests(client, engine):
         assert f"{name}{label} 0.0" in text
     assert f"vllm:prompt_tokens_total{label} 2.0" in text
     assert f"vllm:generation_tokens_total{label} 3.0" in text
-    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                 "vllm:num_preemptions_total"):
+    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total"):
         assert f"{name}{label} 0.0" in text
     assert f"vllm:time_to_first_token_seconds_count{label} 1.0" in text
     assert f"vllm:inter_token_latency_seconds_count{label} 2.0" in text
@@ -266,8 +298,10 @@ def test_metrics_use_vllm_names_and_count_requests(client, engine):
 
 
 def test_two_apps_have_separate_registries(tokenizer):
-    with TestClient(build_app(ScriptedEngine(tokenizer), "a")) as a, \
-            TestClient(build_app(ScriptedEngine(tokenizer), "b")) as b:
+    with (
+        TestClient(build_app(ScriptedEngine(tokenizer), "a")) as a,
+        TestClient(build_app(ScriptedEngine(tokenizer), "b")) as b,
+    ):
         a.post("/v1/completions", json={"prompt": [10], "max_tokens": 2})
         assert 'vllm:generation_tokens_total{model_name="a"} 2.0' in a.get("/metrics").text
         assert 'vllm:generation_tokens_total{model_name="b"} 0.0' in b.get("/metrics").text
@@ -359,16 +393,22 @@ def test_api_key_guards_every_path_but_health_and_metrics(keyed):
     for path in ("/v1/models", "/v1/nothing", "/viz", "/viz/events", "/docs", "/openapi.json", "/health/"):
         resp = keyed.get(path, headers={"Authorization": "Bearer guess"})
         err = assert_error(resp, 401, code="invalid_api_key")
-        assert err == {"message": "Unauthorized", "type": "invalid_request_error", "param": None,
-                       "code": "invalid_api_key"}
+        assert err == {
+            "message": "Unauthorized",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
         assert resp.headers["www-authenticate"] == "Bearer"
         assert "guess" not in resp.text
     assert keyed.get("/health").status_code == 200
     assert keyed.get("/metrics").status_code == 200
 
 
-@pytest.mark.parametrize("authorization", [None, "Bearer wrong", f"Basic {KEY}", KEY, f"Bearer {KEY}x",
-                                           f"Bearer {KEY[:-1]}", "Bearer ", f"Bearer  {KEY}"])
+@pytest.mark.parametrize(
+    "authorization",
+    [None, "Bearer wrong", f"Basic {KEY}", KEY, f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", "Bearer ", f"Bearer  {KEY}"],
+)
 def test_a_missing_or_wrong_key_is_refused(keyed, engine, authorization):
     headers = {"Authorization": authorization} if authorization is not None else {}
     resp = keyed.post("/v1/completions", json={"prompt": [10], "max_tokens": 1}, headers=headers)
@@ -378,16 +418,18 @@ def test_a_missing_or_wrong_key_is_refused(keyed, engine, authorization):
 
 def test_the_right_key_is_served(keyed):
     for scheme in ("Bearer", "bearer"):
-        resp = keyed.post("/v1/completions", json={"prompt": [10], "max_tokens": 1},
-                          headers={"Authorization": f"{scheme} {KEY}"})
+        resp = keyed.post(
+            "/v1/completions", json={"prompt": [10], "max_tokens": 1}, headers={"Authorization": f"{scheme} {KEY}"}
+        )
         assert resp.status_code == 200, resp.text
 
 
 def test_the_key_is_checked_before_the_body_is_read(engine):
     with TestClient(build_app(engine, MODEL, api_key=KEY, max_request_bytes=100)) as c:
         assert_error(c.post("/v1/completions", content=b"x" * 1000, headers=JSON), 401)
-        assert_error(c.post("/v1/completions", content=b"x" * 1000,
-                            headers={**JSON, "Authorization": f"Bearer {KEY}"}), 413)
+        assert_error(
+            c.post("/v1/completions", content=b"x" * 1000, headers={**JSON, "Authorization": f"Bearer {KEY}"}), 413
+        )
 
 
 def test_websockets_need_the_key_too(keyed):
@@ -449,30 +491,36 @@ def test_default_limit_follows_max_model_len(client):
     body = json.dumps({"prompt": "x" * limit}).encode()
     assert_error(client.post("/v1/completions", content=body, headers=JSON), 413)
     body = json.dumps({"prompt": "x " * (limit // 2 - 100)}).encode()
-    assert_error(client.post("/v1/completions", content=body, headers=JSON), 400, "prompt",
-                 code="context_length_exceeded")
+    assert_error(
+        client.post("/v1/completions", content=body, headers=JSON), 400, "prompt", code="context_length_exceeded"
+    )
 
 
-@pytest.mark.parametrize("raw, param", [
-    (b'{"prompt": "hi", "seed": 123456789012345678901234567890}', "seed"),
-    (b'{"prompt": "hi", "seed": -9223372036854775809}', "seed"),
-    (b'{"prompt": "hi", "seed": 1e30}', "seed"),
-    (b'{"prompt": "hi", "temperature": NaN}', "temperature"),
-    (b'{"prompt": "hi", "temperature": -Infinity}', "temperature"),
-    (b'{"prompt": "hi", "temperature": 1e400}', "temperature"),
-    (b'{"prompt": "hi", "top_p": NaN}', "top_p"),
-    (b'{"prompt": "hi", "priority": 9223372036854775808}', "priority"),
-    (b'{"prompt": "hi", "priority": -9223372036854775809}', "priority"),
-    (b'{"prompt": "hi", "priority": "first"}', "priority"),
-    (b'{"prompt": "hi", "max_tokens": 100000000000000000000}', "max_tokens"),
-    (b'{"prompt": "hi", "max_tokens": 1.5}', "max_tokens"),
-    (b'{"prompt": "hi", "top_k": -5}', "top_k"),
-    (b'{"prompt": "hi", "stop_token_ids": [18446744073709551616]}', "stop_token_ids"),
-    (b'{"prompt": [1, 2, 99999999999999999999999999]}', "prompt"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100000000000000000000}',
-     "max_completion_tokens"),
-])
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b'{"prompt": "hi", "seed": 123456789012345678901234567890}', "seed"),
+        (b'{"prompt": "hi", "seed": -9223372036854775809}', "seed"),
+        (b'{"prompt": "hi", "seed": 1e30}', "seed"),
+        (b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+        (b'{"prompt": "hi", "temperature": -Infinity}', "temperature"),
+        (b'{"prompt": "hi", "temperature": 1e400}', "temperature"),
+        (b'{"prompt": "hi", "top_p": NaN}', "top_p"),
+        (b'{"prompt": "hi", "priority": 9223372036854775808}', "priority"),
+        (b'{"prompt": "hi", "priority": -9223372036854775809}', "priority"),
+        (b'{"prompt": "hi", "priority": "first"}', "priority"),
+        (b'{"prompt": "hi", "max_tokens": 100000000000000000000}', "max_tokens"),
+        (b'{"prompt": "hi", "max_tokens": 1.5}', "max_tokens"),
+        (b'{"prompt": "hi", "top_k": -5}', "top_k"),
+        (b'{"prompt": "hi", "stop_token_ids": [18446744073709551616]}', "stop_token_ids"),
+        (b'{"prompt": [1, 2, 99999999999999999999999999]}', "prompt"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100000000000000000000}',
+            "max_completion_tokens",
+        ),
+    ],
+)
 def test_every_bad_value_names_its_parameter(client, raw, param):
     path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
     err = assert_error(client.post(path, content=raw, headers=JSON), 400, param)
@@ -481,8 +529,11 @@ def test_every_bad_value_names_its_parameter(client, raw, param):
 
 
 def test_undecodable_bodies_get_a_400_saying_why(client):
-    for raw in (b'{"prompt": "\xff\xfe"}', b"[" * 20000 + b"]" * 20000,
-                b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}"):
+    for raw in (
+        b'{"prompt": "\xff\xfe"}',
+        b"[" * 20000 + b"]" * 20000,
+        b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}",
+    ):
         err = assert_error(client.post("/v1/completions", content=raw, headers=JSON), 400)
         assert err["message"].startswith("Invalid JSON body"), err
     assert client.get("/health").status_code == 200
@@ -503,18 +554,24 @@ def test_bodies_are_prepared_in_low_priority_worker_threads(client, tokenizer, m
         def wrapper(*args, **kwargs):
             seen.append((method.__name__, threading.current_thread().name))
             return method(*args, **kwargs)
+
         return wrapper
 
     monkeypatch.setattr(tokenizer, "encode", spy(tokenizer.encode))
     monkeypatch.setattr(tokenizer, "apply_chat_template", spy(tokenizer.apply_chat_template))
     assert client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1}).status_code == 200
-    assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                     "max_tokens": 1}).status_code == 200
+    assert (
+        client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        ).status_code
+        == 200
+    )
     assert {name for name, _ in seen} == {"encode", "apply_chat_template"}
     assert all(thread.startswith("prepare") for _, thread in seen), seen
     if sys.platform == "linux":
         nice = client.app.state.serving.executor.submit(
-            lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+            lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        ).result()
         assert nice == 19
 
 
@@ -528,5 +585,5 @@ def test_a_prompt_over_the_context_never_reaches_the_engine_thread(client, engin
 
 def _params(max_tokens):
     from vllm_from_scratch.sampling_params import SamplingParams
-    return SamplingParams(max_tokens=max_tokens)
 
+    return SamplingParams(max_tokens=max_tokens)

@@ -90,8 +90,14 @@ def test_work_kind():
 # ---------------------------------------------------------------------------- the tiny model
 def test_drafts_and_acceptances_add_up_to_the_schedulers_counters(tiny_llama_dir, tmp_path):
     path = tmp_path / "spec.jsonl"
-    llm = LLM(tiny_llama_dir, num_kvcache_blocks=64, kvcache_block_size=8, max_model_len=128, step_trace=str(path),
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm = LLM(
+        tiny_llama_dir,
+        num_kvcache_blocks=64,
+        kvcache_block_size=8,
+        max_model_len=128,
+        step_trace=str(path),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
     llm.generate([prompt, prompt[:9]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     stats = llm.llm_engine.scheduler.get_stats()
@@ -105,8 +111,9 @@ def test_drafts_and_acceptances_add_up_to_the_schedulers_counters(tiny_llama_dir
 
 def test_aborts_are_recorded_before_and_during_the_run(tiny_llama_dir, tmp_path):
     path = tmp_path / "abort.jsonl"
-    engine = LLMEngine(tiny_llama_dir, num_kvcache_blocks=32, kvcache_block_size=8, max_model_len=128,
-                       step_trace=str(path))
+    engine = LLMEngine(
+        tiny_llama_dir, num_kvcache_blocks=32, kvcache_block_size=8, max_model_len=128, step_trace=str(path)
+    )
     for rid in ("a", "b", "c"):
         engine.add_request([3, 4, 5, 6, 7], GREEDY, request_id=rid)
     engine.abort_request("a")  # before any step
@@ -138,8 +145,13 @@ def test_a_tracer_without_sinks_records_nothing(tiny_llama_dir):
 
 def test_pool_field_reports_publishes_and_loads(tiny_llama_dir, tmp_path):
     path = tmp_path / "pool.jsonl"
-    engine_kwargs = dict(num_kvcache_blocks=12, kvcache_block_size=8, max_model_len=128, step_trace=str(path),
-                         kv_transfer_config={"kv_connector": "embedded"})
+    engine_kwargs = dict(
+        num_kvcache_blocks=12,
+        kvcache_block_size=8,
+        max_model_len=128,
+        step_trace=str(path),
+        kv_transfer_config={"kv_connector": "embedded"},
+    )
     try:
         llm = LLM(tiny_llama_dir, **engine_kwargs)
     except TypeError as exc:  # the connector's setting is not in this tree
@@ -147,8 +159,11 @@ def test_pool_field_reports_publishes_and_loads(tiny_llama_dir, tmp_path):
     shared = list(range(10, 34))  # 3 blocks
     llm.generate([shared + [40]], GREEDY, use_tqdm=False)
     # Other requests take every block, evicting the shared prefix from the local cache.
-    llm.generate([list(range(100 + 20 * i, 120 + 20 * i)) for i in range(2)],
-                 SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [list(range(100 + 20 * i, 120 + 20 * i)) for i in range(2)],
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        use_tqdm=False,
+    )
     llm.generate([shared + [41]], GREEDY, use_tqdm=False)
     llm.shutdown()
     check_trace(path)
@@ -164,14 +179,17 @@ def _write(path: Path, lines: list[str]) -> Path:
     return path
 
 
-@pytest.mark.parametrize("mutate, line, message", [
-    (lambda lines: [], 1, "empty"),
-    (lambda lines: lines[:3] + [lines[3][:40]], 4, "cut short"),
-    (lambda lines: [lines[0].replace('"schema": 1', '"schema": 7')] + lines[1:], 1, "schema 7"),
-    (lambda lines: lines[1:], 1, "header must be the first line"),
-    (lambda lines: lines[:2] + ["[1, 2]"] + lines[3:], 3, "JSON object"),
-    (lambda lines: lines[:2] + ['{"schema": 1, "type": "bogus"}'], 3, "unknown record type"),
-])
+@pytest.mark.parametrize(
+    "mutate, line, message",
+    [
+        (lambda lines: [], 1, "empty"),
+        (lambda lines: lines[:3] + [lines[3][:40]], 4, "cut short"),
+        (lambda lines: [lines[0].replace('"schema": 1', '"schema": 7')] + lines[1:], 1, "schema 7"),
+        (lambda lines: lines[1:], 1, "header must be the first line"),
+        (lambda lines: lines[:2] + ["[1, 2]"] + lines[3:], 3, "JSON object"),
+        (lambda lines: lines[:2] + ['{"schema": 1, "type": "bogus"}'], 3, "unknown record type"),
+    ],
+)
 def test_a_bad_trace_is_named_by_line_in_the_reader_and_the_cli(tmp_path, capsys, mutate, line, message):
     good = teaching_trace()[0].read_text().splitlines()
     bad = _write(tmp_path / "bad.jsonl", mutate(good))
@@ -183,9 +201,15 @@ def test_a_bad_trace_is_named_by_line_in_the_reader_and_the_cli(tmp_path, capsys
     assert not (tmp_path / "bad.html").exists()
 
 
-@pytest.mark.parametrize("breakage, message", [
-    ("refcount", "reference counts"), ("free", "free +"), ("unfinished", "never finished"), ("gap", "missing"),
-])
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        ("refcount", "reference counts"),
+        ("free", "free +"),
+        ("unfinished", "never finished"),
+        ("gap", "missing"),
+    ],
+)
 def test_check_trace_catches_a_broken_invariant(tmp_path, breakage, message):
     lines = teaching_trace()[0].read_text().splitlines()
     recs = [json.loads(line) for line in lines]
@@ -250,7 +274,9 @@ def test_chrome_trace_has_step_spans_and_each_requests_life(tmp_path):
     events = chrome_trace(header, recs)["traceEvents"]
     steps = [e for e in events if e["ph"] == "X" and e["pid"] == 1]
     assert len(steps) == sum(r["type"] == "step" for r in recs)
-    names = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 2}
+    names = {
+        e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 2
+    }
     assert set(names) == {f"req-{i}" for i in range(4)}
     spans = {(e["tid"], e["name"]) for e in events if e["ph"] == "X" and e["pid"] == 2}
     preempted = {rid for r in recs for rid in r.get("preempted", [])}
@@ -289,8 +315,8 @@ def _scheduler(recs: list[dict]) -> None:
     victim = recs[i]["preempted"][0]
     assert victim == "req-3" and recs[i]["waiting"][0] == {"id": victim, "priority": 0, "preempted": True}
     assert recs[i]["requests"][victim]["blocks"] == [] and recs[i]["blocks"]["cached_free"]
-    assert any(victim in r.get("prefix_hits", {}) for r in recs[i + 1:])  # re-admitted, its prompt cached
-    assert any(r["blocks"]["evicted"] for r in recs[i + 1:])
+    assert any(victim in r.get("prefix_hits", {}) for r in recs[i + 1 :])  # re-admitted, its prompt cached
+    assert any(r["blocks"]["evicted"] for r in recs[i + 1 :])
 
 
 def _spec_decode(recs: list[dict]) -> None:
@@ -301,24 +327,37 @@ def _spec_decode(recs: list[dict]) -> None:
 
 def _chunked_prefill(recs: list[dict]) -> None:
     # The long prompt (req-2) in chunks of 46 beside the two decodes, sampling at its last chunk only.
-    chunks = [r for r in recs if any(s["id"] == "req-2" and s["kind"] == "prefill" and not s["sampled"]
-                                     for s in r["scheduled"])]
+    chunks = [
+        r
+        for r in recs
+        if any(s["id"] == "req-2" and s["kind"] == "prefill" and not s["sampled"] for s in r["scheduled"])
+    ]
     assert len(chunks) == 215 // 46
     for r in chunks:
         assert r["budget"] == {"total": 48, "used": 48, "prefill": 46, "decode": 2, "verify": 0}
     assert chunks[0]["admitted"] == ["req-2"] and chunks[0]["requests"]["req-2"]["tokens"] == 215
 
 
-DEMOS = {"01_paged_kv": _paged_kv, "03_prefix_cache": _prefix_cache, "04_scheduler": _scheduler,
-         "05_spec_decode": _spec_decode, "06_chunked_prefill": _chunked_prefill}
+DEMOS = {
+    "01_paged_kv": _paged_kv,
+    "03_prefix_cache": _prefix_cache,
+    "04_scheduler": _scheduler,
+    "05_spec_decode": _spec_decode,
+    "06_chunked_prefill": _chunked_prefill,
+}
 
 
 @pytest.mark.slow  # the default model through each demo's scenario: 5-10 s each on two cores
 @pytest.mark.parametrize("chapter", DEMOS)
 def test_each_chapter_demo_traces_its_idea_in_the_real_engine(chapter, tmp_path):
     path = tmp_path / "trace.jsonl"
-    out = subprocess.run([sys.executable, str(ROOT / chapter / "demo.py"), "--trace", str(path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / chapter / "demo.py"), "--trace", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "invariants hold" in out.stdout and f"python -m vllm_from_scratch.viz {path}" in out.stdout
     assert check_trace(path).ended and read_trace(path)[0]["model"] == "SmolLM2-135M-Instruct"
@@ -364,7 +403,7 @@ def test_viz_routes_need_the_api_key_and_redact_the_stream(tiny_llama_dir):
     assert sent[0].startswith("event: header") and '"redacted":true' in sent[0]
     body = "".join(sent)
     assert "secret-id" not in body and '"sampled"' not in body and '"text"' not in body
-    steps = [json.loads(c[len("data: "):]) for c in sent[1:] if c.startswith("data: ")]
+    steps = [json.loads(c[len("data: ") :]) for c in sent[1:] if c.startswith("data: ")]
     assert steps and steps[0]["new"][0]["id"] == "r1" and steps[0]["new"][0]["prompt_tokens"] == 4
     assert not live.tracer._sinks  # the last viewer left: the engine records nothing again
 

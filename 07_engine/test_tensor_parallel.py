@@ -40,6 +40,7 @@ ATOL = 1e-5
 
 # ---- runners that the spawned ranks build (module level, so they pickle by name) ---------------
 
+
 class LayerCheckRunner:
     """Builds one parallel layer per call on every rank and returns (sharded result, reference)
     on rank 0. Every rank draws the same full weights from the same seed, as every rank of the
@@ -56,7 +57,11 @@ class LayerCheckRunner:
         """``cls`` with this rank's slice of a full random weight (and bias) loaded, the full
         weight's reference output, and the input."""
         g = torch.Generator().manual_seed(seed)
-        w, b, x = torch.randn(out_f, in_f, generator=g), torch.randn(out_f, generator=g), torch.randn(5, in_f, generator=g)
+        w, b, x = (
+            torch.randn(out_f, in_f, generator=g),
+            torch.randn(out_f, generator=g),
+            torch.randn(5, in_f, generator=g),
+        )
         layer = cls(in_f, out_f, bias=bias, **self.tp)
         self._load(layer.weight, w)
         if bias:
@@ -84,8 +89,9 @@ class LayerCheckRunner:
         q_local = heads // self.size * head
         kv_local = kv_heads // self.size * head
         # Rank r holds [q heads of r | k heads of r | v heads of r]; regroup into full q, k, v.
-        parts = [gather_to_first_rank(t, self.rank, self.size)
-                 for t in local.split([q_local, kv_local, kv_local], dim=-1)]
+        parts = [
+            gather_to_first_rank(t, self.rank, self.size) for t in local.split([q_local, kv_local, kv_local], dim=-1)
+        ]
         if self.rank:
             return None
         return torch.cat(parts, dim=-1), torch.cat([F.linear(x, w) for w in (wq, wk, wv)], dim=-1)
@@ -155,6 +161,7 @@ class FailingMidCollectiveRunner(EchoRunner):
 
 # ---- process and /dev/shm inspection ---------------------------------------------------------
 
+
 def _alive(pid: int) -> bool:
     """True while ``pid`` runs; a zombie (dead, not yet reaped by a sloppy init) counts as gone."""
     try:
@@ -208,6 +215,7 @@ def _leaked_shm(before: set[str]) -> set[str]:
     create entries of their own: only our kinds count, and an entry must stay unheld for a
     second (not just be caught between its creation and its first mapping) to be a leak.
     """
+
     def unheld() -> set[str]:
         new = {n for n in _shm_entries() - before if n.startswith(OUR_SHM_PREFIXES)}
         if not new:
@@ -217,12 +225,15 @@ def _leaked_shm(before: set[str]) -> set[str]:
             if not entry.name.isdigit():
                 continue
             try:
-                held.update(line.rsplit("/dev/shm/", 1)[1].split()[0]
-                            for line in (entry / "maps").read_text().splitlines() if "/dev/shm/" in line)
+                held.update(
+                    line.rsplit("/dev/shm/", 1)[1].split()[0]
+                    for line in (entry / "maps").read_text().splitlines()
+                    if "/dev/shm/" in line
+                )
                 for fd in (entry / "fd").iterdir():
                     target = os.readlink(fd)
                     if target.startswith("/dev/shm/"):
-                        held.add(target[len("/dev/shm/"):].split()[0])
+                        held.add(target[len("/dev/shm/") :].split()[0])
             except OSError:
                 continue
         return new - held
@@ -236,6 +247,7 @@ def _leaked_shm(before: set[str]) -> set[str]:
 
 # ---- the layers, on 2 gloo ranks --------------------------------------------------------------
 
+
 class TestParallelLayersOnTwoRanks:
     """One 2-rank group for all layer checks (class scope: it is gone before the engine tests,
     which need this process's default process group for themselves)."""
@@ -246,10 +258,19 @@ class TestParallelLayersOnTwoRanks:
         yield executor
         executor.shutdown()
 
-    @pytest.mark.parametrize("method,kwargs", [
-        ("column", {}), ("column", {"bias": False}), ("row", {}), ("row", {"bias": False}),
-        ("qkv", {}), ("mlp", {}), ("embedding", {}), ("lm_head", {}),
-    ])
+    @pytest.mark.parametrize(
+        "method,kwargs",
+        [
+            ("column", {}),
+            ("column", {"bias": False}),
+            ("row", {}),
+            ("row", {"bias": False}),
+            ("qkv", {}),
+            ("mlp", {}),
+            ("embedding", {}),
+            ("lm_head", {}),
+        ],
+    )
     def test_layer_equals_unsharded(self, ranks, method, kwargs):
         got, expected = ranks.call(method, 1234, **kwargs)
         assert got.shape == expected.shape
@@ -263,6 +284,7 @@ class TestParallelLayersOnTwoRanks:
 
 
 # ---- the executor's life cycle ------------------------------------------------------------------
+
 
 def test_calls_reach_every_rank_and_shutdown_reaps_the_workers():
     shm_before = _shm_entries()
@@ -296,11 +318,13 @@ def test_garbage_collected_executor_takes_its_workers_with_it():
 def _new_children(before: set[int]) -> list[int]:
     """Processes below this one that were not there before, leaving out multiprocessing's
     resource tracker (one per process, started by the first spawn, on purpose long-lived)."""
+
     def is_tracker(pid: int) -> bool:
         try:
             return b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             return False
+
     return [p for p in _descendants(os.getpid()) if p not in before and not is_tracker(p)]
 
 
@@ -360,10 +384,14 @@ def test_no_orphans_when_the_parent_exits_or_is_killed(how, tmp_path):
     """
     shm_before = _shm_entries()
     mark = tmp_path / "rank1-loading"
-    env = dict(os.environ, VFS_TP_MARK=str(mark),
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT, how],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    env = dict(
+        os.environ,
+        VFS_TP_MARK=str(mark),
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     try:
         if how == "kill-while-starting":
             deadline = time.monotonic() + 60
@@ -401,8 +429,15 @@ def test_requests_travel_to_workers_without_tokenizer_or_generator():
         def __init__(self):
             self.blob = HeavyTokenizer.blob
 
-    req = EngineRequest("r0", [5, 6, 7], SamplingParams(seed=3), max_tokens=4, eos_token_ids=[2],
-                        block_size=8, tokenizer=HeavyTokenizer())
+    req = EngineRequest(
+        "r0",
+        [5, 6, 7],
+        SamplingParams(seed=3),
+        max_tokens=4,
+        eos_token_ids=[2],
+        block_size=8,
+        tokenizer=HeavyTokenizer(),
+    )
     payload = pickle.dumps(req)
     assert len(payload) < 4096
     copy = pickle.loads(payload)
@@ -412,6 +447,7 @@ def test_requests_travel_to_workers_without_tokenizer_or_generator():
 
 
 # ---- the engine with tensor_parallel_size=2 -------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -424,10 +460,20 @@ def test_llm_tp2_greedy_equals_transformers(arch, tiny_llama_dir, tiny_qwen3_dir
     from vllm_from_scratch import LLM
 
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
-    features = (dict(enable_prefix_caching=True, num_kvcache_blocks=12) if arch == "llama"
-                else dict(enable_prefix_caching=False, num_kvcache_blocks=64))
-    llm = LLM(model_dir, tensor_parallel_size=TP, device="cpu", dtype="float32", kvcache_block_size=BLOCK,
-              enable_chunked_prefill=False, **features)
+    features = (
+        dict(enable_prefix_caching=True, num_kvcache_blocks=12)
+        if arch == "llama"
+        else dict(enable_prefix_caching=False, num_kvcache_blocks=64)
+    )
+    llm = LLM(
+        model_dir,
+        tensor_parallel_size=TP,
+        device="cpu",
+        dtype="float32",
+        kvcache_block_size=BLOCK,
+        enable_chunked_prefill=False,
+        **features,
+    )
     pids = llm.llm_engine.executor.worker_pids
     assert len(pids) == TP - 1 and all(_alive(p) for p in pids)
     prompts = make_prompts(0)

@@ -72,8 +72,14 @@ def open_page(browser):
         page.on("pageerror", lambda e: errors.append(str(e)))
         if url.startswith("file:"):
             context.set_offline(True)
-            page.on("request", lambda r: None if r.url == url or r.url.startswith(("data:", "blob:"))
-                    else errors.append(f"the offline page asked for {r.url}"))
+            page.on(
+                "request",
+                lambda r: (
+                    None
+                    if r.url == url or r.url.startswith(("data:", "blob:"))
+                    else errors.append(f"the offline page asked for {r.url}")
+                ),
+            )
         page.goto(url)
         if wait_ready:
             page.wait_for_function("document.body.dataset.ready === '1'", timeout=20_000)
@@ -234,9 +240,18 @@ def test_live_viz_follows_the_server_and_shows_no_text(open_page, live_server):
     texts = []
 
     def ask(i: int) -> None:
-        r = httpx.post(url + "/v1/completions", headers={"Authorization": "Bearer sesame"}, timeout=120,
-                       json={"model": "SmolLM2-135M-Instruct", "prompt": f"Tell me a fact about the number {i}.",
-                             "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        r = httpx.post(
+            url + "/v1/completions",
+            headers={"Authorization": "Bearer sesame"},
+            timeout=120,
+            json={
+                "model": "SmolLM2-135M-Instruct",
+                "prompt": f"Tell me a fact about the number {i}.",
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         texts.append(r.json()["choices"][0]["text"])
 
     clients = [threading.Thread(target=ask, args=(i,)) for i in range(3)]

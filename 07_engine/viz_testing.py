@@ -23,8 +23,12 @@ import pytest
 
 from vllm_from_scratch.viz import Arrival, trace_scenario
 
-TEACHING_ARRIVALS = [Arrival("Write a short poem about the sea.", 40), Arrival("List three fruits.", 40),
-                     Arrival("What is a block table?", 40), Arrival("Count from one to ten.", 40)]
+TEACHING_ARRIVALS = [
+    Arrival("Write a short poem about the sea.", 40),
+    Arrival("List three fruits.", 40),
+    Arrival("What is a block table?", 40),
+    Arrival("Count from one to ten.", 40),
+]
 TEACHING_ENGINE = dict(num_kvcache_blocks=16, max_num_batched_tokens=256, max_model_len=256)
 BROWSER_PATHS = ("/usr/bin/chromium-headless-shell", "/usr/bin/chromium")
 

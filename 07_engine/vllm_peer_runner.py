@@ -61,12 +61,18 @@ def describe(procs: list, before: dict, after: dict, wall_s: float) -> list[dict
             name, n_threads = p.name(), p.num_threads()
         except Exception:  # noqa: BLE001
             continue
-        busy = {tid: (after[(pid, tid)] - before.get((pid, tid), 0.0)) / wall_s
-                for (pid, tid) in after if pid == p.pid}
-        rows.append({"pid": p.pid, "name": name, "threads": n_threads,
-                     "cores_busy": round(sum(busy.values()), 2),
-                     "busy_threads": [{"cores": thread_affinity(tid), "busy": round(b, 2)}
-                                      for tid, b in sorted(busy.items()) if b > 0.05]})
+        busy = {tid: (after[(pid, tid)] - before.get((pid, tid), 0.0)) / wall_s for (pid, tid) in after if pid == p.pid}
+        rows.append(
+            {
+                "pid": p.pid,
+                "name": name,
+                "threads": n_threads,
+                "cores_busy": round(sum(busy.values()), 2),
+                "busy_threads": [
+                    {"cores": thread_affinity(tid), "busy": round(b, 2)} for tid, b in sorted(busy.items()) if b > 0.05
+                ],
+            }
+        )
     return rows
 
 
@@ -92,10 +98,15 @@ def run(spec: dict) -> dict:
     cpu_after = thread_seconds(procs)
     watch.after()
     assert [len(o.outputs[0].token_ids) for o in outs] == list(spec["outputs"])
-    return {"output_tokens_per_s": sum(spec["outputs"]) / elapsed, "elapsed_s": elapsed, "startup_s": startup_s,
-            "vllm_version": vllm.__version__, "load": watch.records[-1],
-            "processes": describe(procs, cpu_before, cpu_after, elapsed),
-            "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")}}
+    return {
+        "output_tokens_per_s": sum(spec["outputs"]) / elapsed,
+        "elapsed_s": elapsed,
+        "startup_s": startup_s,
+        "vllm_version": vllm.__version__,
+        "load": watch.records[-1],
+        "processes": describe(procs, cpu_before, cpu_after, elapsed),
+        "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")},
+    }
 
 
 def bench_serve(argv: list[str]) -> None:

@@ -130,8 +130,7 @@ def plot_kv_pool(output: str, ax: plt.Axes) -> None:
 
 
 def plot_engine_throughput(output: str, ax: plt.Axes) -> None:
-    table = next(t for t in markdown_tables(output) + aligned_tables(output)
-                 if any("tok/s" in k for k in t[0]))
+    table = next(t for t in markdown_tables(output) + aligned_tables(output) if any("tok/s" in k for k in t[0]))
     label_col = next(iter(table[0]))
     value_col = next(k for k in table[0] if "tok/s" in k)
     labels = [row[label_col] for row in table]
@@ -142,15 +141,23 @@ def plot_engine_kv_pool(output: str, ax: plt.Axes) -> None:
     tables = markdown_tables(output)
     cold, pooled = next(t for t in tables if "instance" in t[0])
     single, disaggregated = next(t for t in tables if "setup" in t[0])
-    labels = ["pool: TTFT mean", "pool: TTFT p99", "pool: prefill of all 16",
-              "P/D: TTFT mean", "P/D: ITL p50", "P/D: ITL p99"]
+    labels = [
+        "pool: TTFT mean",
+        "pool: TTFT p99",
+        "pool: prefill of all 16",
+        "P/D: TTFT mean",
+        "P/D: ITL p50",
+        "P/D: ITL p99",
+    ]
     series = {
-        "without (cold instance / one instance)":
-            [number(cold[c]) for c in ("TTFT mean s", "TTFT p99 s", "their prefill s")]
-            + [number(single[c]) / 1000 for c in ("TTFT mean ms", "ITL p50 ms", "ITL p99 ms")],
-        "with (prefix from the pool / prefill + decode pair)":
-            [number(pooled[c]) for c in ("TTFT mean s", "TTFT p99 s", "their prefill s")]
-            + [number(disaggregated[c]) / 1000 for c in ("TTFT mean ms", "ITL p50 ms", "ITL p99 ms")],
+        "without (cold instance / one instance)": [
+            number(cold[c]) for c in ("TTFT mean s", "TTFT p99 s", "their prefill s")
+        ]
+        + [number(single[c]) / 1000 for c in ("TTFT mean ms", "ITL p50 ms", "ITL p99 ms")],
+        "with (prefix from the pool / prefill + decode pair)": [
+            number(pooled[c]) for c in ("TTFT mean s", "TTFT p99 s", "their prefill s")
+        ]
+        + [number(disaggregated[c]) / 1000 for c in ("TTFT mean ms", "ITL p50 ms", "ITL p99 ms")],
     }
     _bars(ax, labels, series, "seconds (log, lower is better)", log=True)
     ax.legend(fontsize=8, loc="lower left")
@@ -166,57 +173,83 @@ def plot_chunked_prefill(output: str, ax: plt.Axes) -> None:
 def plot_spec_decode(output: str, ax: plt.Axes) -> None:
     table = next(t for t in markdown_tables(output) if "proposer" in t[0])
     labels = [f"{r['workload']}\n{r['proposer']}" + (f" k={r['k']}" if r["k"] != "0" else "") for r in table]
-    series = {"tokens per target forward": [number(r["tokens/forward"]) for r in table],
-              "speed-up over plain decoding": [number(r["speed-up"]) for r in table]}
+    series = {
+        "tokens per target forward": [number(r["tokens/forward"]) for r in table],
+        "speed-up over plain decoding": [number(r["speed-up"]) for r in table],
+    }
     _bars(ax, labels, series, "x (higher is better)")
     ax.axhline(1.0, color="gray", linewidth=0.8)
 
 
 RECIPES = [
-    Recipe("scheduler_policies", "04_scheduler",
-           "Two-phase (vLLM V1) vs prefill-first (nano-vllm) scheduling",
-           "The same 200 requests (prompts 32-512 tokens, outputs 16-256, one every 80 ms on "
-           "average) on chapter 04's fake model; a step costs a simulated 10 ms + 0.05 ms per "
-           "token. Time to first token and inter-token latency per policy.",
-           ["04_scheduler/compare_policies.py"], plot_scheduler_policies),
-    Recipe("kv_pool", "03_prefix_cache",
-           "Global KV pool: embedded dict vs the Mooncake store",
-           "One SmolLM2-135M KV block (360 KiB bf16) per operation, Mooncake over loopback TCP with "
-           "a master and a pool-holding client started by the benchmark. Log scale.",
-           ["03_prefix_cache/bench_kv_pool.py", "--repeat", "100"], plot_kv_pool),
-    Recipe("spec_decode", "05_spec_decode",
-           "Speculative decoding on the default model: tokens per forward and speed-up",
-           "SmolLM2-135M-Instruct (float32, greedy, batch 1, 32 new tokens) as the target; an "
-           "n-gram proposer and a draft model made of the target's first 4 layers, k = 4; a prompt "
-           "the model copies and an open-ended one. Speed-up is wall time of plain decoding over "
-           "speculative decoding on the same code path.",
-           ["05_spec_decode/bench_spec_decode.py", "--max-new-tokens", "32", "--ks", "4", "--draft-ks", "4"],
-           plot_spec_decode, timeout_s=1800),
-    Recipe("chunked_prefill", "06_chunked_prefill",
-           "Chunked prefill: decodes keep their pace while a long prompt arrives",
-           "Four requests decoding on chapter 06's toy transformer when a 2,048-token prompt "
-           "arrives; without chunking it runs in one step, with chunking in 256-token pieces "
-           "beside the decodes. Wall-clock medians of 3 runs, 1 torch thread. Log scale.",
-           ["06_chunked_prefill/bench_chunked_prefill.py", "--plot", ""], plot_chunked_prefill),
-    Recipe("engine_kv_pool", "07_engine",
-           "The engine on a shared Mooncake pool: a second instance, and prefill/decode disaggregation",
-           "SmolLM2-135M-Instruct, dtype auto (bfloat16 here), KV blocks of 16 tokens, one Mooncake "
-           "master and pool client on loopback TCP. Pool: 16 requests sharing a 1,000-token system "
-           "prompt (+32 own tokens, 8 new) on a fresh instance, cold or loading the prefix another "
-           "instance published. P/D: 24 requests at 1/s (prompts 256-768 tokens, 32-64 new) on one "
-           "instance with both cores, or a prefill and a decode instance with one core each behind "
-           "the proxy.",
-           ["07_engine/bench_engine_kv_pool.py", "--pd", "--json", "docs/data/engine_kv_pool.json"],
-           plot_engine_kv_pool, timeout_s=1800),
-    Recipe("engine_throughput", "07_engine",
-           "The engine vs transformers' generate on the default model",
-           "SmolLM2-135M-Instruct in bfloat16 on the CPU, the same seeded serving-shaped workload for "
-           "both: 128 requests, prompts of 32-256 random tokens, 16-256 new tokens each, greedy, "
-           "ignore_eos. The engine takes them all at once (continuous batching); transformers runs "
-           "left-padded static batches of 16, 32, 64 and 128, one after another. Throughput = "
-           "requested output tokens / wall time.",
-           ["07_engine/bench.py", "--hf-batch-sizes", "16", "32", "64", "128"],
-           plot_engine_throughput, timeout_s=1800),
+    Recipe(
+        "scheduler_policies",
+        "04_scheduler",
+        "Two-phase (vLLM V1) vs prefill-first (nano-vllm) scheduling",
+        "The same 200 requests (prompts 32-512 tokens, outputs 16-256, one every 80 ms on "
+        "average) on chapter 04's fake model; a step costs a simulated 10 ms + 0.05 ms per "
+        "token. Time to first token and inter-token latency per policy.",
+        ["04_scheduler/compare_policies.py"],
+        plot_scheduler_policies,
+    ),
+    Recipe(
+        "kv_pool",
+        "03_prefix_cache",
+        "Global KV pool: embedded dict vs the Mooncake store",
+        "One SmolLM2-135M KV block (360 KiB bf16) per operation, Mooncake over loopback TCP with "
+        "a master and a pool-holding client started by the benchmark. Log scale.",
+        ["03_prefix_cache/bench_kv_pool.py", "--repeat", "100"],
+        plot_kv_pool,
+    ),
+    Recipe(
+        "spec_decode",
+        "05_spec_decode",
+        "Speculative decoding on the default model: tokens per forward and speed-up",
+        "SmolLM2-135M-Instruct (float32, greedy, batch 1, 32 new tokens) as the target; an "
+        "n-gram proposer and a draft model made of the target's first 4 layers, k = 4; a prompt "
+        "the model copies and an open-ended one. Speed-up is wall time of plain decoding over "
+        "speculative decoding on the same code path.",
+        ["05_spec_decode/bench_spec_decode.py", "--max-new-tokens", "32", "--ks", "4", "--draft-ks", "4"],
+        plot_spec_decode,
+        timeout_s=1800,
+    ),
+    Recipe(
+        "chunked_prefill",
+        "06_chunked_prefill",
+        "Chunked prefill: decodes keep their pace while a long prompt arrives",
+        "Four requests decoding on chapter 06's toy transformer when a 2,048-token prompt "
+        "arrives; without chunking it runs in one step, with chunking in 256-token pieces "
+        "beside the decodes. Wall-clock medians of 3 runs, 1 torch thread. Log scale.",
+        ["06_chunked_prefill/bench_chunked_prefill.py", "--plot", ""],
+        plot_chunked_prefill,
+    ),
+    Recipe(
+        "engine_kv_pool",
+        "07_engine",
+        "The engine on a shared Mooncake pool: a second instance, and prefill/decode disaggregation",
+        "SmolLM2-135M-Instruct, dtype auto (bfloat16 here), KV blocks of 16 tokens, one Mooncake "
+        "master and pool client on loopback TCP. Pool: 16 requests sharing a 1,000-token system "
+        "prompt (+32 own tokens, 8 new) on a fresh instance, cold or loading the prefix another "
+        "instance published. P/D: 24 requests at 1/s (prompts 256-768 tokens, 32-64 new) on one "
+        "instance with both cores, or a prefill and a decode instance with one core each behind "
+        "the proxy.",
+        ["07_engine/bench_engine_kv_pool.py", "--pd", "--json", "docs/data/engine_kv_pool.json"],
+        plot_engine_kv_pool,
+        timeout_s=1800,
+    ),
+    Recipe(
+        "engine_throughput",
+        "07_engine",
+        "The engine vs transformers' generate on the default model",
+        "SmolLM2-135M-Instruct in bfloat16 on the CPU, the same seeded serving-shaped workload for "
+        "both: 128 requests, prompts of 32-256 random tokens, 16-256 new tokens each, greedy, "
+        "ignore_eos. The engine takes them all at once (continuous batching); transformers runs "
+        "left-padded static batches of 16, 32, 64 and 128, one after another. Throughput = "
+        "requested output tokens / wall time.",
+        ["07_engine/bench.py", "--hf-batch-sizes", "16", "32", "64", "128"],
+        plot_engine_throughput,
+        timeout_s=1800,
+    ),
 ]
 
 
@@ -239,8 +272,10 @@ def run_benchmark(recipe: Recipe) -> str:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=recipe.timeout_s, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(recipe.command)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    header = (f"# command: python {' '.join(recipe.command)}\n# machine: {machine()}\n"
-              f"# date: {datetime.datetime.now().isoformat(timespec='seconds')}\n")
+    header = (
+        f"# command: python {' '.join(recipe.command)}\n# machine: {machine()}\n"
+        f"# date: {datetime.datetime.now().isoformat(timespec='seconds')}\n"
+    )
     text = header + proc.stdout
     DATA.mkdir(parents=True, exist_ok=True)
     (DATA / f"{recipe.name}.txt").write_text(text)
@@ -255,19 +290,25 @@ def draw(recipe: Recipe, output: str) -> dict:
     FIGURES.mkdir(parents=True, exist_ok=True)
     fig.savefig(FIGURES / f"{recipe.name}.png", dpi=120)
     plt.close(fig)
-    provenance = dict(line.split(": ", 1) for line in output.splitlines()[:3] if line.startswith("# ")
-                      and ": " in line)
-    return {"name": recipe.name, "chapter": recipe.chapter, "title": recipe.title,
-            "caption": recipe.caption, "image": f"figures/{recipe.name}.png",
-            "command": provenance.get("# command", "python " + " ".join(recipe.command)),
-            "machine": provenance.get("# machine", ""), "date": provenance.get("# date", "")}
+    provenance = dict(line.split(": ", 1) for line in output.splitlines()[:3] if line.startswith("# ") and ": " in line)
+    return {
+        "name": recipe.name,
+        "chapter": recipe.chapter,
+        "title": recipe.title,
+        "caption": recipe.caption,
+        "image": f"figures/{recipe.name}.png",
+        "command": provenance.get("# command", "python " + " ".join(recipe.command)),
+        "machine": provenance.get("# machine", ""),
+        "date": provenance.get("# date", ""),
+    }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append", help="draw only this figure (repeatable)")
-    parser.add_argument("--from-data", action="store_true",
-                        help="redraw from the outputs saved in docs/data/ instead of re-running")
+    parser.add_argument(
+        "--from-data", action="store_true", help="redraw from the outputs saved in docs/data/ instead of re-running"
+    )
     parser.add_argument("--list", action="store_true", help="list the figures and their commands")
     args = parser.parse_args(argv)
     if args.list:
@@ -298,8 +339,13 @@ def main(argv=None) -> int:
         tqdm.write(f"drew docs/figures/{recipe.name}.png")
     order = [r.name for r in RECIPES]
     FIGURES.mkdir(parents=True, exist_ok=True)
-    MANIFEST.write_text(json.dumps(sorted(manifest.values(), key=lambda f: order.index(f["name"])
-                                          if f["name"] in order else len(order)), indent=2) + "\n")
+    MANIFEST.write_text(
+        json.dumps(
+            sorted(manifest.values(), key=lambda f: order.index(f["name"]) if f["name"] in order else len(order)),
+            indent=2,
+        )
+        + "\n"
+    )
     return 1 if failed else 0
 
 

@@ -65,14 +65,28 @@ def _beside_decodes(r: Record) -> bool:
 
 
 SHOTS = [
-    Shot("01_paged_kv", "viz_block_tables.png",
-         lambda rs: _first(rs, lambda r: sum(bool(q["blocks"]) for q in r["requests"].values()) == 3)),
-    Shot("03_prefix_cache", "viz_shared_prefix.png",
-         lambda rs: _best(rs, lambda r: sum(n > 1 for n in r["blocks"]["ref_counts"].values())
-                          + max(r["blocks"]["ref_counts"].values(), default=0))),
+    Shot(
+        "01_paged_kv",
+        "viz_block_tables.png",
+        lambda rs: _first(rs, lambda r: sum(bool(q["blocks"]) for q in r["requests"].values()) == 3),
+    ),
+    Shot(
+        "03_prefix_cache",
+        "viz_shared_prefix.png",
+        lambda rs: _best(
+            rs,
+            lambda r: (
+                sum(n > 1 for n in r["blocks"]["ref_counts"].values())
+                + max(r["blocks"]["ref_counts"].values(), default=0)
+            ),
+        ),
+    ),
     Shot("04_scheduler", "viz_preemption.png", lambda rs: _first(rs, lambda r: bool(r.get("preempted")))),
-    Shot("05_spec_decode", "viz_accepted_drafts.png",
-         lambda rs: _best(rs, lambda r: sum(s["accepted"] for s in r.get("scheduled", [])))),
+    Shot(
+        "05_spec_decode",
+        "viz_accepted_drafts.png",
+        lambda rs: _best(rs, lambda r: sum(s["accepted"] for s in r.get("scheduled", []))),
+    ),
     Shot("06_chunked_prefill", "viz_chunked_prompt.png", lambda rs: _first(rs, _beside_decodes)),
 ]
 
@@ -80,8 +94,12 @@ SHOTS = [
 def screenshot(shot: Shot, workdir: Path, browser) -> Path:
     """Run the chapter's demo with ``--trace``, make its page, save the teaching frame."""
     trace = workdir / f"{shot.chapter}.jsonl"
-    subprocess.run([sys.executable, str(ROOT / shot.chapter / "demo.py"), "--trace", str(trace)],
-                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, str(ROOT / shot.chapter / "demo.py"), "--trace", str(trace)],
+        check=True,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+    )
     html = workdir / f"{shot.chapter}.html"
     write_page(trace, html)
     frame = shot.moment(read_trace(trace)[1])

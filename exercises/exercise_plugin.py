@@ -97,8 +97,9 @@ def load_exercises(exercises_dir: Path = EXERCISES_DIR) -> list[Exercise]:
                 raise ValueError(f"{registry}: exercise {entry.get('id', '?')} lacks {sorted(missing)}")
             if ":" not in entry["target"] or ":" not in entry["stub"]:
                 raise ValueError(f"{registry}: exercise {entry['id']}: target and stub are 'file:name'")
-            found.append(Exercise(entry["id"], chapter, entry["title"], entry["target"], entry["stub"],
-                                  tuple(entry["tests"])))
+            found.append(
+                Exercise(entry["id"], chapter, entry["title"], entry["target"], entry["stub"], tuple(entry["tests"]))
+            )
     owner: dict[str, str] = {}
     for e in found:  # one test grades one exercise, so every exercise's score is its own
         for t in e.tests:
@@ -217,23 +218,38 @@ class Swap:
 
 def _unloadable(ex: Exercise, exc: Exception):
     """Stands in for a stub that cannot be imported: every call says why."""
+
     def broken(*args, **kwargs):
-        raise ImportError(f"Exercise {ex.id}: cannot load your {ex.stub} from "
-                          f"{ex.chapter}/: {type(exc).__name__}: {exc}") from exc
+        raise ImportError(
+            f"Exercise {ex.id}: cannot load your {ex.stub} from {ex.chapter}/: {type(exc).__name__}: {exc}"
+        ) from exc
+
     return broken
 
 
 # ---------------------------------------------------------------------------- pytest hooks
 def pytest_addoption(parser):
     group = parser.getgroup("vfs-exercises", "classroom exercises (exercises/README.md)")
-    group.addoption("--impl", choices=IMPLS, default=None,
-                    help="run tests against the book's reference code or the student's stubs in "
-                         "exercises/ (default: $VLLM_FS_IMPL or 'reference')")
-    group.addoption("--exercise", action="append", default=None, metavar="ID",
-                    help="run only the tests of exercise ID, e.g. 01.2 (repeatable; $VLLM_FS_EXERCISE)")
-    group.addoption("--exercises-dir", default=None, metavar="DIR",
-                    help="read stubs from DIR, a copy of exercises/ (default: $VLLM_FS_EXERCISES_DIR or "
-                         "exercises/)")
+    group.addoption(
+        "--impl",
+        choices=IMPLS,
+        default=None,
+        help="run tests against the book's reference code or the student's stubs in "
+        "exercises/ (default: $VLLM_FS_IMPL or 'reference')",
+    )
+    group.addoption(
+        "--exercise",
+        action="append",
+        default=None,
+        metavar="ID",
+        help="run only the tests of exercise ID, e.g. 01.2 (repeatable; $VLLM_FS_EXERCISE)",
+    )
+    group.addoption(
+        "--exercises-dir",
+        default=None,
+        metavar="DIR",
+        help="read stubs from DIR, a copy of exercises/ (default: $VLLM_FS_EXERCISES_DIR or exercises/)",
+    )
 
 
 class ExercisePlugin:
@@ -302,6 +318,7 @@ def pytest_configure(config):
         raise pytest.UsageError(f"VLLM_FS_IMPL must be one of {IMPLS}, got {impl!r}")
     selected = config.getoption("--exercise") or [os.environ.get("VLLM_FS_EXERCISE", "")]
     selected = [s.strip() for arg in selected for s in arg.split(",") if s.strip()]
-    exercises_dir = Path(config.getoption("--exercises-dir") or os.environ.get("VLLM_FS_EXERCISES_DIR")
-                         or EXERCISES_DIR)
+    exercises_dir = Path(
+        config.getoption("--exercises-dir") or os.environ.get("VLLM_FS_EXERCISES_DIR") or EXERCISES_DIR
+    )
     config.pluginmanager.register(ExercisePlugin(impl, selected, exercises_dir.resolve()), "vfs-exercises")

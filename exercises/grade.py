@@ -51,12 +51,13 @@ def _nodeid(case: ET.Element) -> str:
     for i, part in enumerate(parts):
         if part.startswith("test_"):
             path = "/".join(parts[: i + 1]) + ".py"
-            return "::".join([path, *parts[i + 1:], name])
+            return "::".join([path, *parts[i + 1 :], name])
     return f"{classname}::{name}"
 
 
-def run_tests(exercises: list[ep.Exercise], impl: str, exercises_dir: Path | None,
-              timeout: float = 1200) -> dict[str, TestResult]:
+def run_tests(
+    exercises: list[ep.Exercise], impl: str, exercises_dir: Path | None, timeout: float = 1200
+) -> dict[str, TestResult]:
     """Run the tests of ``exercises`` in one fresh pytest process; results keyed by node id."""
     # Test files plus --exercise (which deselects every other test), not node ids: pytest gives up
     # on the whole run when one named node cannot be collected.
@@ -64,10 +65,21 @@ def run_tests(exercises: list[ep.Exercise], impl: str, exercises_dir: Path | Non
     selected = ",".join(ex.id for ex in exercises)
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", *files, f"--exercise={selected}", f"--impl={impl}",
-               "-q", "-p", "no:cacheprovider",
-               "-o", "junit_family=xunit1", f"--junitxml={report}",
-               "--continue-on-collection-errors"]  # a broken test file must not hide the others
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            *files,
+            f"--exercise={selected}",
+            f"--impl={impl}",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "junit_family=xunit1",
+            f"--junitxml={report}",
+            "--continue-on-collection-errors",
+        ]  # a broken test file must not hide the others
         if exercises_dir is not None:
             cmd.append(f"--exercises-dir={exercises_dir}")
         proc = subprocess.run(cmd, cwd=ep.ROOT, capture_output=True, text=True, timeout=timeout)
@@ -99,8 +111,9 @@ def score(exercises: list[ep.Exercise], results: dict[str, TestResult]) -> list[
     return scores
 
 
-def grade(impl: str = "student", exercises_dir: Path | None = None,
-          chapters: list[str] | None = None) -> list[ExerciseScore]:
+def grade(
+    impl: str = "student", exercises_dir: Path | None = None, chapters: list[str] | None = None
+) -> list[ExerciseScore]:
     """Scores of every exercise of ``chapters`` (all chapters with a registry by default)."""
     exercises = [ex for ex in ep.load_exercises() if not chapters or ex.chapter in chapters]
     # One pytest process for all of them: torch and the chapters are imported once.
@@ -110,16 +123,27 @@ def grade(impl: str = "student", exercises_dir: Path | None = None,
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--impl", choices=ep.IMPLS, default="student")
-    parser.add_argument("--exercises-dir", type=Path, default=None,
-                        help="a copy of exercises/ holding the work to grade (default: exercises/)")
+    parser.add_argument(
+        "--exercises-dir",
+        type=Path,
+        default=None,
+        help="a copy of exercises/ holding the work to grade (default: exercises/)",
+    )
     parser.add_argument("--chapter", action="append", help="grade only this chapter (repeatable)")
     parser.add_argument("--json", type=Path, help="also write the scores, test by test, as JSON")
     args = parser.parse_args(argv)
     scores = grade(args.impl, args.exercises_dir.resolve() if args.exercises_dir else None, args.chapter)
     print(f"{'exercise':<9} {'target':<66} {'passed':>8}  note")
     for s in scores:
-        note = ("not run: its tests failed to collect" if s.total == 0 else "not attempted" if s.not_attempted
-                else "" if s.passed == s.total else "incomplete")
+        note = (
+            "not run: its tests failed to collect"
+            if s.total == 0
+            else "not attempted"
+            if s.not_attempted
+            else ""
+            if s.passed == s.total
+            else "incomplete"
+        )
         print(f"{s.id:<9} {s.target:<66} {s.passed:>3}/{s.total:<4}  {note}")
     full = sum(s.passed == s.total > 0 for s in scores)
     print(f"\n{full}/{len(scores)} exercises complete")

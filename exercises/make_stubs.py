@@ -60,10 +60,15 @@ def _own_names(modules: list[str], funcs: list[str]) -> list[str]:
     lines = []
     for m in modules:
         mod = sys.modules[m]
-        names = [n for n, v in vars(mod).items()
-                 if not n.startswith("_") and getattr(v, "__module__", m) == m and not inspect.ismodule(v)
-                 and (inspect.isclass(v) or isinstance(v, type) or n[0].isupper())
-                 and any(re.search(rf"\b{n}\b", f.split('"""')[0]) for f in funcs)]
+        names = [
+            n
+            for n, v in vars(mod).items()
+            if not n.startswith("_")
+            and getattr(v, "__module__", m) == m
+            and not inspect.ismodule(v)
+            and (inspect.isclass(v) or isinstance(v, type) or n[0].isupper())
+            and any(re.search(rf"\b{n}\b", f.split('"""')[0]) for f in funcs)
+        ]
         if names:
             lines.append(f"from {m} import {', '.join(sorted(names))}")
     return lines
@@ -89,8 +94,10 @@ def stub_source(ex: ep.Exercise, hint: str) -> str:
     mine = []
     owner = ex.qualname.rsplit(".", 1)[0] if "." in ex.qualname else None
     if owner:
-        mine.append(f"Becomes ``{ex.qualname}`` (a method: ``self`` is the {owner}). "
-                    f"Call parent methods as ``Parent.method(self, ...)``, not ``super()``.")
+        mine.append(
+            f"Becomes ``{ex.qualname}`` (a method: ``self`` is the {owner}). "
+            f"Call parent methods as ``Parent.method(self, ...)``, not ``super()``."
+        )
     if hint:
         mine.append("Hint: " + " ".join(hint.split()))
     mine.append(f"Checked by: pytest {ex.chapter}/ --impl=student --exercise {ex.id}")
@@ -109,7 +116,7 @@ def solution_source(ex: ep.Exercise) -> tuple[str, set[str]]:
     fn = ep.reference_function(ex)
     source = textwrap.dedent(inspect.getsource(fn))
     node = ast.parse(source).body[0]
-    source = "\n".join(source.splitlines()[node.lineno - 1:]) + "\n"
+    source = "\n".join(source.splitlines()[node.lineno - 1 :]) + "\n"
     source = source.replace(f"def {fn.__name__}(", f"def {ex.stub_name}(", 1)
     if "." in ex.qualname:  # zero-argument super() needs the class body it was written in
         owner = ex.qualname.rsplit(".", 1)[0].split(".")[-1]
@@ -126,18 +133,29 @@ def solution_source(ex: ep.Exercise) -> tuple[str, set[str]]:
     return source, globals_read
 
 
-def file_source(chapter: str, stub_file: str, exercises: list[ep.Exercise], hints: dict[str, str],
-                extra_imports: dict[str, list[str]], solutions: bool = False) -> str:
+def file_source(
+    chapter: str,
+    stub_file: str,
+    exercises: list[ep.Exercise],
+    hints: dict[str, str],
+    extra_imports: dict[str, list[str]],
+    solutions: bool = False,
+) -> str:
     modules = list(dict.fromkeys(ex.module_name for ex in exercises))
     ids = ", ".join(ex.id for ex in exercises)
     plural = "s" if len(exercises) > 1 else ""
     files = ", ".join(m.replace(".", "/") + ".py" for m in modules)
-    head = [f'"""Exercise{plural} {ids} of {chapter}: your versions of {files}.',
-            "",
-            "Replace each `raise NotImplementedError(...)` with your code, then run",
-            f"`pytest {chapter}/ --impl=student` (or `--exercise ID` for one exercise). The tests are",
-            "the chapter's own; see exercises/README.md for how your function is put in place.",
-            '"""', "", "from __future__ import annotations", ""]
+    head = [
+        f'"""Exercise{plural} {ids} of {chapter}: your versions of {files}.',
+        "",
+        "Replace each `raise NotImplementedError(...)` with your code, then run",
+        f"`pytest {chapter}/ --impl=student` (or `--exercise ID` for one exercise). The tests are",
+        "the chapter's own; see exercises/README.md for how your function is put in place.",
+        '"""',
+        "",
+        "from __future__ import annotations",
+        "",
+    ]
     if solutions:
         funcs, imports = [], []
         for ex in exercises:
@@ -171,8 +189,14 @@ def ruff_clean(text: str, rel: Path) -> str:
     stub passes the repository's lint and format checks as written."""
     filename = str(ep.EXERCISES_DIR / rel)
     for cmd in (["check", "--fix", "--select", "I", "--quiet", "--exit-zero"], ["format", "--quiet"]):
-        text = subprocess.run([sys.executable, "-m", "ruff", *cmd, "--stdin-filename", filename, "-"],
-                              input=text, capture_output=True, text=True, check=True, cwd=ep.ROOT).stdout
+        text = subprocess.run(
+            [sys.executable, "-m", "ruff", *cmd, "--stdin-filename", filename, "-"],
+            input=text,
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ep.ROOT,
+        ).stdout
     return text
 
 
@@ -184,9 +208,12 @@ def registry_extras(chapter_dir: Path) -> tuple[dict[str, str], dict[str, list[s
     return hints, imports
 
 
-def expected_files(exercises_dir: Path = ep.EXERCISES_DIR, solutions: bool = False,
-                   chapters: list[str] | None = None, unimportable: list[str] | None = None,
-                   ) -> dict[Path, str]:
+def expected_files(
+    exercises_dir: Path = ep.EXERCISES_DIR,
+    solutions: bool = False,
+    chapters: list[str] | None = None,
+    unimportable: list[str] | None = None,
+) -> dict[Path, str]:
     """Every stub file the registries ask for, with its fresh text (or the answer key's).
 
     Chapters whose reference modules cannot be imported are skipped and added to
@@ -214,9 +241,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only report missing or stale stubs")
     parser.add_argument("--force", action="store_true", help="overwrite existing stub files")
-    parser.add_argument("--solutions", metavar="DIR", type=Path,
-                        help="write the answer key (the reference code as stubs) into DIR instead; "
-                             "then: pytest CHAPTER/ --impl=student --exercises-dir DIR")
+    parser.add_argument(
+        "--solutions",
+        metavar="DIR",
+        type=Path,
+        help="write the answer key (the reference code as stubs) into DIR instead; "
+        "then: pytest CHAPTER/ --impl=student --exercises-dir DIR",
+    )
     parser.add_argument("--chapter", action="append", help="only this chapter (repeatable)")
     args = parser.parse_args(argv)
     unimportable: list[str] = []

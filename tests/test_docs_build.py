@@ -24,34 +24,55 @@ def _hook():
 
 def test_links_are_rewritten_for_the_site():
     hook = _hook()
-    pages = {"README.md": "getting-started.md", "01_paged_kv/README.md": "01_paged_kv/README.md",
-             "04_scheduler/README.md": "04_scheduler/README.md"}
+    pages = {
+        "README.md": "getting-started.md",
+        "01_paged_kv/README.md": "01_paged_kv/README.md",
+        "04_scheduler/README.md": "04_scheduler/README.md",
+    }
     assets = {}
-    text = ("[bm](block_manager.py) [next](../04_scheduler/README.md#idea) [dir](../04_scheduler/) "
-            "[gl](../docs/glossary.md#slot) [web](https://vllm.ai) [gone](missing.py)\n"
-            "```\n[in code](block_manager.py)\n```\n")
+    text = (
+        "[bm](block_manager.py) [next](../04_scheduler/README.md#idea) [dir](../04_scheduler/) "
+        "[gl](../docs/glossary.md#slot) [web](https://vllm.ai) [gone](missing.py)\n"
+        "```\n[in code](block_manager.py)\n```\n"
+    )
     out = hook.rewrite_links(text, "01_paged_kv/README.md", "01_paged_kv/README.md", pages, assets)
-    assert "[bm](block_manager.py)" in out and assets == {"01_paged_kv/block_manager.py": "01_paged_kv/block_manager.py"}
+    assert "[bm](block_manager.py)" in out and assets == {
+        "01_paged_kv/block_manager.py": "01_paged_kv/block_manager.py"
+    }
     assert "[next](../04_scheduler/README.md#idea)" in out and "[dir](../04_scheduler/README.md)" in out
     assert "[gl](../glossary.md#slot)" in out and "[web](https://vllm.ai)" in out
     assert "[gone](missing.py)" in out  # left broken, so that --strict reports it
     assert "[in code](block_manager.py)" in out
-    root = hook.rewrite_links("[c1](01_paged_kv/README.md) [d](docs/teaching.md)", "README.md",
-                              "getting-started.md", pages, {})
+    root = hook.rewrite_links(
+        "[c1](01_paged_kv/README.md) [d](docs/teaching.md)", "README.md", "getting-started.md", pages, {}
+    )
     assert root == "[c1](01_paged_kv/README.md) [d](teaching.md)"
 
 
 @pytest.mark.slow
 def test_mkdocs_build_strict(tmp_path):
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
     assert "WARNING" not in log, log[-5000:]
     site = tmp_path / "site"
-    for page in ["index.html", "reading-path/index.html", "architecture/index.html", "results/index.html",
-                 "glossary/index.html", "teaching/index.html", "exercises/index.html"]:
+    for page in [
+        "index.html",
+        "reading-path/index.html",
+        "architecture/index.html",
+        "results/index.html",
+        "glossary/index.html",
+        "teaching/index.html",
+        "exercises/index.html",
+    ]:
         assert (site / page).is_file(), page
     chapters = sorted(p.parent.name for p in ROOT.glob("0*_*/README.md"))
     for chapter in chapters:

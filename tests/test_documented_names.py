@@ -55,9 +55,11 @@ CHECKED: dict[str, list[str] | None] = {
     "docs/architecture.md": None,
     "01_paged_kv/README.md": ["The code"],
     "02_page_attention/README.md": ["The code"],
-    "03_prefix_cache/README.md": ["1. Chained block hashing",
-                                  "2. The local cache: a block manager subclass",
-                                  "3. The global KV pool"],
+    "03_prefix_cache/README.md": [
+        "1. Chained block hashing",
+        "2. The local cache: a block manager subclass",
+        "3. The global KV pool",
+    ],
     "04_scheduler/README.md": ["The code"],
     "05_spec_decode/README.md": ["The code"],
     "06_chunked_prefill/README.md": ["The code"],
@@ -69,11 +71,28 @@ EXTERNAL = {
     "OrderedDict",  # collections
     "xxh3_128",  # xxhash
     "exponential_",  # torch
-    "set_context", "get_context",  # nano-vllm
+    "set_context",
+    "get_context",  # nano-vllm
 }
 
-FILE_SUFFIXES = {"py", "md", "json", "toml", "txt", "cpp", "so", "safetensors", "gguf", "yml",
-                 "yaml", "html", "pth", "sh", "png", "svg"}
+FILE_SUFFIXES = {
+    "py",
+    "md",
+    "json",
+    "toml",
+    "txt",
+    "cpp",
+    "so",
+    "safetensors",
+    "gguf",
+    "yml",
+    "yaml",
+    "html",
+    "pth",
+    "sh",
+    "png",
+    "svg",
+}
 HEADING_RE = re.compile(r"^(#{1,6})\s+(.*?)\s*$")
 SPAN_RE = re.compile(r"`([^`\n]+)`")
 DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+"
@@ -135,8 +154,13 @@ def _declared_on(cls: type, name: str) -> bool:
         except (OSError, TypeError, SyntaxError):
             continue
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-                    and isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr == name):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+                and node.attr == name
+            ):
                 return True
     return False
 
@@ -188,8 +212,12 @@ def missing(name: Name) -> str | None:
         if None in gones:
             return None
         return f"{parts[0]} ({', '.join(sorted(where[parts[0]]))}) has no {'.'.join(parts[1:])}"
-    if (parts[0][0].isupper() and any(c.islower() for c in parts[0])
-            and parts[0] not in EXTERNAL and not hasattr(builtins, parts[0])):
+    if (
+        parts[0][0].isupper()
+        and any(c.islower() for c in parts[0])
+        and parts[0] not in EXTERNAL
+        and not hasattr(builtins, parts[0])
+    ):
         return f"no module of the book defines {parts[0]}"
     return None
 
@@ -237,8 +265,11 @@ def documented_names(path: str, lines: list[tuple[int, str]]) -> list[Name]:
 
 
 def problems(path: str, text: str, headings: list[str] | None) -> list[str]:
-    return [f"{n.path}:{n.line}: `{n.text}`: {why}"
-            for n in documented_names(path, checked_lines(text, headings)) if (why := missing(n))]
+    return [
+        f"{n.path}:{n.line}: `{n.text}`: {why}"
+        for n in documented_names(path, checked_lines(text, headings))
+        if (why := missing(n))
+    ]
 
 
 # ------------------------------------------------------------------------------------ the tests
@@ -247,8 +278,9 @@ def test_every_documented_name_exists(path):
     text = (ROOT / path).read_text(encoding="utf-8")
     assert documented_names(path, checked_lines(text, CHECKED[path])), f"{path}: nothing checked"
     found = problems(path, text, CHECKED[path])
-    assert not found, "documented names the code does not have (rename them in the text, or the code):\n" + \
-        "\n".join(found)
+    assert not found, "documented names the code does not have (rename them in the text, or the code):\n" + "\n".join(
+        found
+    )
 
 
 FAKE_DOC = """# A page
@@ -278,18 +310,24 @@ def test_the_check_catches_a_rename(monkeypatch):
 
     monkeypatch.delattr(chunked_prefill.SchedulerInfo, "from_scheduler_output")
     assert problems("fake.md", FAKE_DOC, ["The code"]) == [
-        "fake.md:5: `SchedulerInfo.from_scheduler_output`: SchedulerInfo (chunked_prefill) has no "
-        "from_scheduler_output"]
+        "fake.md:5: `SchedulerInfo.from_scheduler_output`: SchedulerInfo (chunked_prefill) has no from_scheduler_output"
+    ]
 
 
-@pytest.mark.parametrize("line, why", [
-    ("`chunked_prefill.BatchInfo`", "chunked_prefill has no BatchInfo (BatchInfo is missing)"),
-    ("`BatchInfo.from_scheduler_output`", "no module of the book defines BatchInfo"),
-    ("`build_batch_input(info)`", "no module or class of the book defines build_batch_input()"),
-    ("`PrefixCachingBlockManagr`", "no module of the book defines PrefixCachingBlockManagr"),
-    ("`scheduler.schedule_step()`", "scheduler has no schedule_step (schedule_step is missing)"),
-    ("```\nexecutor ─► ModelRunner.execute_modle\n```", "ModelRunner (vllm_from_scratch.model_runner) has no execute_modle"),
-])
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        ("`chunked_prefill.BatchInfo`", "chunked_prefill has no BatchInfo (BatchInfo is missing)"),
+        ("`BatchInfo.from_scheduler_output`", "no module of the book defines BatchInfo"),
+        ("`build_batch_input(info)`", "no module or class of the book defines build_batch_input()"),
+        ("`PrefixCachingBlockManagr`", "no module of the book defines PrefixCachingBlockManagr"),
+        ("`scheduler.schedule_step()`", "scheduler has no schedule_step (schedule_step is missing)"),
+        (
+            "```\nexecutor ─► ModelRunner.execute_modle\n```",
+            "ModelRunner (vllm_from_scratch.model_runner) has no execute_modle",
+        ),
+    ],
+)
 def test_the_check_catches_each_kind_of_missing_name(line, why):
     found = problems("fake.md", f"## The code\n\n{line}\n", ["The code"])
     assert len(found) == 1 and found[0].endswith(why), found

@@ -51,16 +51,21 @@ def test_stub_signature_equals_the_reference(ex):
     stub = ep.load_stub(ex)
     assert ep.signature_key(stub) == ep.signature_key(reference), (
         f"exercise {ex.id}: stub {ex.stub} has signature {inspect.signature(stub)}, "
-        f"the reference {ex.target} has {inspect.signature(reference)}")
+        f"the reference {ex.target} has {inspect.signature(reference)}"
+    )
 
 
 @pytest.mark.parametrize("ex", ALL, ids=lambda ex: ex.id)
 def test_untouched_stub_raises_its_own_message(ex):
     stub = ep.load_stub(ex)
-    args = [object()] * sum(p.default is p.empty and p.kind <= p.POSITIONAL_OR_KEYWORD
-                            for p in inspect.signature(stub).parameters.values())
-    with pytest.raises(NotImplementedError, match=rf"^Exercise {ex.id}: implement {ex.qualname} — see "
-                                                  rf"{ex.chapter}/README.md#exercises$"):
+    args = [object()] * sum(
+        p.default is p.empty and p.kind <= p.POSITIONAL_OR_KEYWORD for p in inspect.signature(stub).parameters.values()
+    )
+    with pytest.raises(
+        NotImplementedError,
+        match=rf"^Exercise {ex.id}: implement {ex.qualname} — see "
+        rf"{ex.chapter}/README.md#exercises$",
+    ):
         stub(*args)
 
 
@@ -82,8 +87,10 @@ def test_listed_tests_exist(ex):
 def test_registry_rejects_a_test_graded_twice(tmp_path):
     chapter = tmp_path / "01_paged_kv"
     chapter.mkdir()
-    entry = ('[[exercise]]\nid = "{id}"\ntitle = "t"\ntarget = "block_manager:cdiv"\n'
-             'stub = "s.py:cdiv"\ntests = ["01_paged_kv/test_block_manager.py::test_x"]\n')
+    entry = (
+        '[[exercise]]\nid = "{id}"\ntitle = "t"\ntarget = "block_manager:cdiv"\n'
+        'stub = "s.py:cdiv"\ntests = ["01_paged_kv/test_block_manager.py::test_x"]\n'
+    )
     (chapter / "exercises.toml").write_text(entry.format(id="01.1") + entry.format(id="01.2"))
     with pytest.raises(ValueError, match="listed by exercises 01.1 and 01.2"):
         ep.load_exercises(tmp_path)
@@ -109,9 +116,14 @@ def test_untouched_stubs_fail_with_their_message():
         if s.total < len(listed):
             bad.append(f"{s.id}: only {s.total} of its {len(listed)} tests ran")
         for r in s.tests:
-            if r.outcome not in ("failed", "error") or f"NotImplementedError: Exercise {s.id}: implement" not in r.message:
-                bad.append(f"{s.id}: {r.nodeid} {r.outcome} against the untouched stub, not with its "
-                           f"message:\n{r.message[-1200:]}")
+            if (
+                r.outcome not in ("failed", "error")
+                or f"NotImplementedError: Exercise {s.id}: implement" not in r.message
+            ):
+                bad.append(
+                    f"{s.id}: {r.nodeid} {r.outcome} against the untouched stub, not with its "
+                    f"message:\n{r.message[-1200:]}"
+                )
     assert not bad, "\n".join(bad)
 
 

@@ -30,8 +30,15 @@ def chapter_modules():
 
 def test_layout_has_the_seven_chapters():
     names = [c.name for c in CHAPTERS]
-    assert names == ["01_paged_kv", "02_page_attention", "03_prefix_cache", "04_scheduler",
-                     "05_spec_decode", "06_chunked_prefill", "07_engine"]
+    assert names == [
+        "01_paged_kv",
+        "02_page_attention",
+        "03_prefix_cache",
+        "04_scheduler",
+        "05_spec_decode",
+        "06_chunked_prefill",
+        "07_engine",
+    ]
 
 
 def test_every_chapter_directory_is_on_sys_path():

@@ -12,8 +12,13 @@ SEED = ROOT.parent / "shared" / "seeds" / "000_4ef08cd682b4c23a.txt"
 
 
 def test_seed_test_file_passes_when_run_from_inside_the_chapter():
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_prefix_cache_local.py"],
-                         cwd=CHAPTER, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_prefix_cache_local.py"],
+        cwd=CHAPTER,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and "failed" not in out.stdout
 
@@ -22,5 +27,5 @@ def test_seed_test_file_passes_when_run_from_inside_the_chapter():
 def test_seed_test_file_is_verbatim():
     text = SEED.read_text(encoding="utf-8")
     start = text.index("# vllm-from-scratch/03_prefix_cache/test_prefix_cache_local.py")
-    listing = text[start:text.index("```", start)]
+    listing = text[start : text.index("```", start)]
     assert (CHAPTER / "test_prefix_cache_local.py").read_text(encoding="utf-8") == listing

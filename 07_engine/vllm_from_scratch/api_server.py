@@ -69,8 +69,13 @@ def default_max_request_bytes(max_model_len: int) -> int:
     return max_model_len * BYTES_PER_TOKEN + BODY_OVERHEAD_BYTES
 
 
-def build_app(engine: LLMEngine, served_model_name: str, tokenizer: PreTrainedTokenizerBase | None = None,
-              api_key: str | None = None, max_request_bytes: int | None = None) -> FastAPI:
+def build_app(
+    engine: LLMEngine,
+    served_model_name: str,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    api_key: str | None = None,
+    max_request_bytes: int | None = None,
+) -> FastAPI:
     """The FastAPI application serving ``engine`` (an ``LLMEngine`` or anything with its API).
 
     ``tokenizer`` defaults to ``engine.tokenizer``; the CLI passes a second instance, because
@@ -81,8 +86,9 @@ def build_app(engine: LLMEngine, served_model_name: str, tokenizer: PreTrainedTo
     """
     metrics = ServerMetrics(served_model_name, lambda: llm.stats)
     llm = AsyncLLM(engine, metrics)
-    serving = OpenAIServing(llm, served_model_name, tokenizer or engine.tokenizer, engine.max_model_len,
-                            engine.config.vocab_size)
+    serving = OpenAIServing(
+        llm, served_model_name, tokenizer or engine.tokenizer, engine.max_model_len, engine.config.vocab_size
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -109,15 +115,23 @@ def build_app(engine: LLMEngine, served_model_name: str, tokenizer: PreTrainedTo
     # response_model=None: the dict goes out as it is, not validated against the annotation.
     @app.get("/v1/models", response_model=None)
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": now(),
-            "owned_by": "vllm-from-scratch", "max_model_len": serving.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "created": now(),
+                    "owned_by": "vllm-from-scratch",
+                    "max_model_len": serving.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health() -> Response:
         if not llm.is_running:
-            return JSONResponse(error_body(f"engine loop is dead: {llm.error!r}", "server_error"),
-                                status_code=503)
+            return JSONResponse(error_body(f"engine loop is dead: {llm.error!r}", "server_error"), status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -127,8 +141,9 @@ def build_app(engine: LLMEngine, served_model_name: str, tokenizer: PreTrainedTo
     add_viz_routes(app, engine)
     add_error_handlers(app)
     # Added last, so outermost: the key is checked before the body is read at all.
-    app.add_middleware(RequestSizeLimitMiddleware,
-                       max_bytes=max_request_bytes or default_max_request_bytes(engine.max_model_len))
+    app.add_middleware(
+        RequestSizeLimitMiddleware, max_bytes=max_request_bytes or default_max_request_bytes(engine.max_model_len)
+    )
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
@@ -152,8 +167,7 @@ def add_error_handlers(app: FastAPI) -> None:
         if isinstance(exc.__cause__, ValueError | RecursionError):
             # FastAPI's "error parsing the body": say why (bad UTF-8, nesting too deep).
             message = f"Invalid JSON body: {exc.__cause__}"
-        return JSONResponse(APIError(message, status_code=exc.status_code).body(),
-                            status_code=exc.status_code)
+        return JSONResponse(APIError(message, status_code=exc.status_code).body(), status_code=exc.status_code)
 
     @app.exception_handler(ClientGone)
     async def on_client_gone(_: Request, __: ClientGone) -> Response:
@@ -171,8 +185,10 @@ def validation_error(exc: RequestValidationError, max_listed: int = 3) -> APIErr
     if first.get("type") == "json_invalid":
         return APIError(f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: "
-                        f"{e.get('msg')}" for e in errors[:max_listed])
+    message = "; ".join(
+        f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+        for e in errors[:max_listed]
+    )
     if len(errors) > max_listed:
         message += f"; and {len(errors) - max_listed} more"
     return APIError(message or "invalid request", param=loc[0] if loc else None)
@@ -200,8 +216,13 @@ class APIKeyMiddleware:
         elif scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})  # policy violation
         else:
-            await send_error(scope, receive, send, APIError("Unauthorized", 401, code="invalid_api_key"),
-                             headers={"www-authenticate": "Bearer"})
+            await send_error(
+                scope,
+                receive,
+                send,
+                APIError("Unauthorized", 401, code="invalid_api_key"),
+                headers={"www-authenticate": "Bearer"},
+            )
 
     def _authorized(self, scope: Scope) -> bool:
         # Headers are latin-1 text; back to the bytes the client sent.
@@ -232,9 +253,14 @@ class RequestSizeLimitMiddleware:
         except ClientDisconnect:
             return  # the client left mid-upload: nobody to answer
         if body is None:
-            await send_error(scope, receive, send, APIError(
-                f"Request body is too large: this server accepts at most {self.max_bytes} bytes",
-                status_code=413))
+            await send_error(
+                scope,
+                receive,
+                send,
+                APIError(
+                    f"Request body is too large: this server accepts at most {self.max_bytes} bytes", status_code=413
+                ),
+            )
             return
         await self.app(scope, replay(body, receive), send)
 
@@ -275,7 +301,8 @@ def replay(body: bytes, receive: Receive) -> Receive:
     return receive_again
 
 
-async def send_error(scope: Scope, receive: Receive, send: Send, err: APIError,
-                     headers: dict[str, str] | None = None) -> None:
+async def send_error(
+    scope: Scope, receive: Receive, send: Send, err: APIError, headers: dict[str, str] | None = None
+) -> None:
     """Answer with ``err``'s OpenAI error body, from outside FastAPI's routing."""
     await JSONResponse(err.body(), status_code=err.status_code, headers=headers)(scope, receive, send)

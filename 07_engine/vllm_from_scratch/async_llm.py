@@ -129,8 +129,9 @@ class AsyncLLM:
 
     # ---- called from the asyncio side --------------------------------------------------------
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
         """Queue a request; returns once the engine accepted it (its ``ValueError`` if not)."""
         if not self.is_running:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
@@ -183,8 +184,13 @@ class AsyncLLM:
     def _add(self, command: _Add) -> None:
         try:
             # The OpenAI API refuses a max_tokens that cannot fit, where offline use cuts it.
-            self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
-                                    priority=command.priority, fit_max_tokens=False)
+            self.engine.add_request(
+                command.prompt,
+                command.params,
+                request_id=command.request_id,
+                priority=command.priority,
+                fit_max_tokens=False,
+            )
         except Exception as exc:  # noqa: BLE001 - handed to the caller, the loop lives on
             _resolve(command.stream.loop, command.accepted, exc)
             return

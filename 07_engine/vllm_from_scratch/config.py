@@ -45,14 +45,16 @@ class SpeculativeConfig:
         if unknown:
             raise ParameterError("speculative_config", f"has unknown keys {unknown}")
         if config.get("method") not in SPEC_METHODS:
-            raise ParameterError("speculative_config['method']", f"must be one of {SPEC_METHODS}, "
-                                 f"got {config.get('method')!r}")
+            raise ParameterError(
+                "speculative_config['method']", f"must be one of {SPEC_METHODS}, got {config.get('method')!r}"
+            )
         k = config.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ParameterError("speculative_config['num_speculative_tokens']", f"must be an int >= 1, got {k!r}")
         if config["method"] == "draft_model" and config.get("model") is None:
-            raise ParameterError("speculative_config['model']", "(a draft checkpoint directory) is required "
-                                 "for draft_model")
+            raise ParameterError(
+                "speculative_config['model']", "(a draft checkpoint directory) is required for draft_model"
+            )
         return cls(**{**config, "model": None if config.get("model") is None else str(config["model"])})
 
 
@@ -92,8 +94,9 @@ class KVTransferConfig:
             raise ParameterError("kv_transfer_config['kv_connector']", f"is required: one of {KV_CONNECTORS}")
         parsed = cls(**config)
         if parsed.kv_connector not in KV_CONNECTORS:
-            raise ParameterError("kv_transfer_config['kv_connector']",
-                                 f"must be one of {KV_CONNECTORS}, got {parsed.kv_connector!r}")
+            raise ParameterError(
+                "kv_transfer_config['kv_connector']", f"must be one of {KV_CONNECTORS}, got {parsed.kv_connector!r}"
+            )
         if parsed.kv_role not in KV_ROLES:
             raise ParameterError("kv_transfer_config['kv_role']", f"must be one of {KV_ROLES}, got {parsed.kv_role!r}")
         if parsed.protocol not in ("tcp", "rdma"):
@@ -159,38 +162,52 @@ class EngineConfig:
 
     model_dir: str
     device: str = setting("'auto' (CUDA when present, else CPU), 'cpu' or 'cuda[:N]'", "auto")
-    dtype: str | None = setting("'auto' (or None): bfloat16 on a GPU, and on a CPU with bfloat16 in hardware "
-                                "(AVX-512 BF16, AMX), else float32; or a dtype name", "auto",
-                                choices=("auto", *DTYPES))
+    dtype: str | None = setting(
+        "'auto' (or None): bfloat16 on a GPU, and on a CPU with bfloat16 in hardware "
+        "(AVX-512 BF16, AMX), else float32; or a dtype name",
+        "auto",
+        choices=("auto", *DTYPES),
+    )
     tensor_parallel_size: int = setting("ranks to split the model over (gloo on CPU, NCCL on GPU)", 1)
     enforce_eager: bool = setting("never capture CUDA graphs", False)
     max_num_seqs: int = setting("most requests in one batch (chapter 04)", 256)
     max_num_batched_tokens: int = setting(
-        "token budget of one step; None: 2048 with chunked prefill, else max(max_model_len, 8192)")
+        "token budget of one step; None: 2048 with chunked prefill, else max(max_model_len, 8192)"
+    )
     max_model_len: int = setting("longest prompt + output; None: min(max_position_embeddings, 4096)")
     kvcache_block_size: int = setting(
-        "tokens per KV block (chapter 01); None: 16, or 256 with flash-attn", flag="--block-size")
+        "tokens per KV block (chapter 01); None: 16, or 256 with flash-attn", flag="--block-size"
+    )
     num_kvcache_blocks: int | None = setting("KV blocks to allocate; None: sized from memory")
     gpu_memory_utilization: float = setting("share of the GPU's memory the engine may use", 0.9)
     cpu_kvcache_space_gib: float = setting("KV cache size on a CPU when num_kvcache_blocks is None", 2.0)
     enable_prefix_caching: bool = setting("share KV blocks of equal prefixes (chapter 03)", True)
     enable_chunked_prefill: bool = setting("split long prompts into chunks beside decodes (chapter 06)", True)
-    long_prefill_token_threshold: int | None = setting("most tokens of one prompt per step (chapter 06); "
-                                                       "None: only the budget limits it")
-    scheduling_policy: str = setting("'fcfs', or 'priority': lower `priority` values first (chapter 04)",
-                                     "fcfs", choices=SCHEDULING_POLICIES)
-    attention_backend: str = setting("paged attention implementation (chapter 02); 'auto' picks by device",
-                                     "auto", choices=BACKENDS)
+    long_prefill_token_threshold: int | None = setting(
+        "most tokens of one prompt per step (chapter 06); None: only the budget limits it"
+    )
+    scheduling_policy: str = setting(
+        "'fcfs', or 'priority': lower `priority` values first (chapter 04)", "fcfs", choices=SCHEDULING_POLICIES
+    )
+    attention_backend: str = setting(
+        "paged attention implementation (chapter 02); 'auto' picks by device", "auto", choices=BACKENDS
+    )
     speculative_config: dict | None = setting(
-        'speculative decoding (chapter 05), e.g. {"method": "ngram", "num_speculative_tokens": 4}')
+        'speculative decoding (chapter 05), e.g. {"method": "ngram", "num_speculative_tokens": 4}'
+    )
     kv_transfer_config: dict | None = setting(
         'the global KV pool (chapter 03) as a KV connector, e.g. {"kv_connector": "mooncake", "kv_role": '
-        '"kv_both", "master_server_address": "HOST:PORT", "metadata_server": "http://HOST:PORT/metadata"}')
-    warm_up: bool = setting("before the first request, run a prefill of each power of two up to the token budget "
-                            "and a decode step of each batch size up to max_num_seqs, so that the first batch "
-                            "runs as fast as the tenth (seconds at start-up on a CPU)", True)
-    step_trace: str | None = setting("write one JSON line per engine step to this file (docs/step_trace.md); "
-                                     "None: no trace, no cost")
+        '"kv_both", "master_server_address": "HOST:PORT", "metadata_server": "http://HOST:PORT/metadata"}'
+    )
+    warm_up: bool = setting(
+        "before the first request, run a prefill of each power of two up to the token budget "
+        "and a decode step of each batch size up to max_num_seqs, so that the first batch "
+        "runs as fast as the tenth (seconds at start-up on a CPU)",
+        True,
+    )
+    step_trace: str | None = setting(
+        "write one JSON line per engine step to this file (docs/step_trace.md); None: no trace, no cost"
+    )
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False, repr=False)
     torch_device: torch.device = field(init=False, repr=False)
@@ -203,12 +220,18 @@ class EngineConfig:
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
         for name in ("tensor_parallel_size", "max_num_seqs"):
             _positive_int(name, getattr(self, name))
-        for name in ("max_num_batched_tokens", "max_model_len", "kvcache_block_size", "num_kvcache_blocks",
-                     "long_prefill_token_threshold"):
+        for name in (
+            "max_num_batched_tokens",
+            "max_model_len",
+            "kvcache_block_size",
+            "num_kvcache_blocks",
+            "long_prefill_token_threshold",
+        ):
             _positive_int(name, getattr(self, name), allow_none=True)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ParameterError("scheduling_policy", f"must be one of {SCHEDULING_POLICIES}, "
-                                 f"got {self.scheduling_policy!r}")
+            raise ParameterError(
+                "scheduling_policy", f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
+            )
         if self.attention_backend not in BACKENDS:
             raise ParameterError("attention_backend", f"must be one of {BACKENDS}, got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -219,13 +242,17 @@ class EngineConfig:
         if self.max_model_len is None:
             self.max_model_len = min(max_pos, 4096)
         elif self.max_model_len > max_pos:
-            raise ParameterError("max_model_len", f"({self.max_model_len}) exceeds the model's "
-                                 f"max_position_embeddings ({max_pos})")
+            raise ParameterError(
+                "max_model_len", f"({self.max_model_len}) exceeds the model's max_position_embeddings ({max_pos})"
+            )
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(self.max_model_len, 8192)
         elif not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ParameterError("max_num_batched_tokens", f"({self.max_num_batched_tokens}) must be >= "
-                                 f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is False")
+            raise ParameterError(
+                "max_num_batched_tokens",
+                f"({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is False",
+            )
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 256 if self._uses_flash_attn() else 16
         if self.speculative_config is not None:
@@ -233,8 +260,10 @@ class EngineConfig:
         if self.kv_transfer_config is not None:
             self.kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
             if not self.enable_prefix_caching:
-                raise ParameterError("kv_transfer_config", "needs enable_prefix_caching: the pool's keys are the "
-                                     "prefix cache's block hashes")
+                raise ParameterError(
+                    "kv_transfer_config",
+                    "needs enable_prefix_caching: the pool's keys are the prefix cache's block hashes",
+                )
 
     def _uses_flash_attn(self) -> bool:
         if self.torch_device.type != "cuda":
@@ -284,4 +313,5 @@ def _json_dict(name: str) -> Callable[[str], dict]:
         if not isinstance(value, dict):
             raise argparse.ArgumentTypeError(f"{name} must be a JSON object, got {text!r}")
         return value
+
     return parse

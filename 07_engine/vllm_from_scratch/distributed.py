@@ -78,8 +78,9 @@ def _usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def _init_process_groups(rank: int, world_size: int, store: dist.Store,
-                         device: str | torch.device) -> dist.ProcessGroup:
+def _init_process_groups(
+    rank: int, world_size: int, store: dist.Store, device: str | torch.device
+) -> dist.ProcessGroup:
     """Join the default (compute) group and create the gloo control group; return the latter."""
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(rank)
@@ -87,8 +88,7 @@ def _init_process_groups(rank: int, world_size: int, store: dist.Store,
         # Every rank would otherwise start one thread per core: N ranks on C cores would run
         # N*C threads that preempt each other between every all-reduce.
         torch.set_num_threads(max(1, _usable_cores() // world_size))
-    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size,
-                            timeout=COMPUTE_TIMEOUT)
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size, timeout=COMPUTE_TIMEOUT)
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
@@ -106,8 +106,9 @@ def _startup_error(store: dist.Store, world_size: int, rank0_error: str) -> Runt
         key = f"worker_error/{rank}"
         if store.check([key]):
             reports.append((rank, store.get(key).decode()))
-    return RuntimeError("tensor-parallel start-up failed:\n" +
-                        "\n".join(f"[rank {rank}] {error}" for rank, error in reports))
+    return RuntimeError(
+        "tensor-parallel start-up failed:\n" + "\n".join(f"[rank {rank}] {error}" for rank, error in reports)
+    )
 
 
 def _exit_with_parent() -> None:
@@ -123,12 +124,10 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="tp-parent-watchdog", daemon=True).start()
 
 
-def _worker_main(runner_factory: Callable[[int], Any], rank: int, world_size: int, port: int,
-                 device: str) -> None:
+def _worker_main(runner_factory: Callable[[int], Any], rank: int, world_size: int, port: int, device: str) -> None:
     """Entry point of ranks 1..N-1: join the groups, build the runner, serve rank 0's calls."""
     _exit_with_parent()
-    store = dist.TCPStore(HOST, port, world_size, is_master=False,
-                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+    store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
     store.set(f"worker_up/{rank}", "1")
     control = _init_process_groups(rank, world_size, store, device)
     runner, error = _build_runner(runner_factory, rank)
@@ -172,8 +171,10 @@ def _wait_for_workers(store: dist.Store, procs: list[BaseProcess]) -> None:
     while not store.check(keys):
         dead = [p for p in procs if p.exitcode is not None]
         if dead:
-            raise RuntimeError(f"tensor-parallel worker {dead[0].name} exited with code "
-                               f"{dead[0].exitcode} while starting (see its traceback above)")
+            raise RuntimeError(
+                f"tensor-parallel worker {dead[0].name} exited with code "
+                f"{dead[0].exitcode} while starting (see its traceback above)"
+            )
         if time.monotonic() > deadline:
             raise RuntimeError(f"tensor-parallel workers did not start in {STARTUP_TIMEOUT_S} s")
         time.sleep(0.02)
@@ -250,24 +251,31 @@ class TensorParallelExecutor:
     re-imports the main module: a script that builds one needs ``if __name__ == "__main__":``.
     """
 
-    def __init__(self, runner_factory: Callable[[int], Any], world_size: int,
-                 device: str | torch.device = "cpu"):
+    def __init__(self, runner_factory: Callable[[int], Any], world_size: int, device: str | torch.device = "cpu"):
         if not isinstance(world_size, int) or world_size < 2:
             raise ValueError(f"world_size must be an int >= 2, got {world_size!r}")
         device = str(torch.device(device))
         if torch.device(device).type == "cuda" and torch.cuda.device_count() < world_size:
-            raise ValueError(f"world_size={world_size} needs {world_size} GPUs, "
-                             f"found {torch.cuda.device_count()}")
+            raise ValueError(f"world_size={world_size} needs {world_size} GPUs, found {torch.cuda.device_count()}")
         if dist.is_initialized():
-            raise RuntimeError("a torch.distributed process group already exists in this process "
-                               "(one tensor-parallel engine per process)")
+            raise RuntimeError(
+                "a torch.distributed process group already exists in this process "
+                "(one tensor-parallel engine per process)"
+            )
         self.world_size = world_size
-        store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+        store = dist.TCPStore(
+            HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)
+        )
         ctx = mp.get_context("spawn")
-        procs: list[BaseProcess] = [ctx.Process(target=_worker_main, name=f"vllm-fs-tp-rank{rank}", daemon=True,
-                             args=(runner_factory, rank, world_size, store.port, device))
-                 for rank in range(1, world_size)]
+        procs: list[BaseProcess] = [
+            ctx.Process(
+                target=_worker_main,
+                name=f"vllm-fs-tp-rank{rank}",
+                daemon=True,
+                args=(runner_factory, rank, world_size, store.port, device),
+            )
+            for rank in range(1, world_size)
+        ]
         self._state = _GroupState(procs)
         # Registered before anything can fail, so a failed start still reaps what it started.
         self._finalizer = weakref.finalize(self, _shutdown, self._state)
@@ -309,8 +317,9 @@ class TensorParallelExecutor:
         self._finalizer()
 
 
-def make_executor(runner_factory: Callable[[int], Any], world_size: int = 1,
-                  device: str | torch.device = "cpu") -> LocalExecutor | TensorParallelExecutor:
+def make_executor(
+    runner_factory: Callable[[int], Any], world_size: int = 1, device: str | torch.device = "cpu"
+) -> LocalExecutor | TensorParallelExecutor:
     """The executor the engine needs: in-process for one rank, spawned workers for more."""
     if world_size == 1:
         return LocalExecutor(runner_factory)
@@ -324,8 +333,9 @@ def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     return x
 
 
-def gather_to_first_rank(x: torch.Tensor, tp_rank: int, tp_size: int, dim: int = -1,
-                         group: dist.ProcessGroup | None = None) -> torch.Tensor | None:
+def gather_to_first_rank(
+    x: torch.Tensor, tp_rank: int, tp_size: int, dim: int = -1, group: dist.ProcessGroup | None = None
+) -> torch.Tensor | None:
     """Concatenate every rank's ``x`` along ``dim`` on the group's first rank (None elsewhere):
     the LM head's logits gather. A gather, not an all-gather, because only rank 0 samples."""
     if tp_size == 1:

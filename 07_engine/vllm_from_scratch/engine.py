@@ -96,10 +96,10 @@ class IncrementalDetokenizer:
             return
         decode = partial(self.tokenizer.decode, skip_special_tokens=True)
         # One sequence of ids decodes to one string (the stubs also allow a batch's list).
-        prefix = str(decode(all_token_ids[self.prefix_offset:self.read_offset]))
-        full = str(decode(all_token_ids[self.prefix_offset:]))
+        prefix = str(decode(all_token_ids[self.prefix_offset : self.read_offset]))
+        full = str(decode(all_token_ids[self.prefix_offset :]))
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix):]
+            self.text += full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(all_token_ids)
 
 
@@ -107,12 +107,27 @@ class EngineRequest(Request):
     """Chapter 04's ``Request`` plus what only the engine needs: sampling settings, a seeded
     generator, the detokenizer and how much text has been streamed."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
-                 eos_token_ids: list[int], block_size: int, tokenizer: PreTrainedTokenizerBase | None,
-                 priority: int = 0):
-        super().__init__(request_id, prompt_token_ids, max_tokens=max_tokens, priority=priority,
-                         eos_token_id=eos_token_ids, ignore_eos=params.ignore_eos,
-                         stop_token_ids=params.stop_token_ids or (), block_size=block_size)
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: list[int],
+        block_size: int,
+        tokenizer: PreTrainedTokenizerBase | None,
+        priority: int = 0,
+    ):
+        super().__init__(
+            request_id,
+            prompt_token_ids,
+            max_tokens=max_tokens,
+            priority=priority,
+            eos_token_id=eos_token_ids,
+            ignore_eos=params.ignore_eos,
+            stop_token_ids=params.stop_token_ids or (),
+            block_size=block_size,
+        )
         self.sampling_params = params
         self.stop_strings = list(params.stop or ())  # a list once SamplingParams is validated
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -129,8 +144,9 @@ class EngineRequest(Request):
         return state
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase | None, prompt: str | list[int], vocab_size: int,
-                  max_model_len: int) -> list[int]:
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase | None, prompt: str | list[int], vocab_size: int, max_model_len: int
+) -> list[int]:
     """Token ids of ``prompt`` (text through ``tokenizer``, or ids as given), checked: not empty,
     inside the vocabulary, shorter than ``max_model_len``. :class:`ParameterError` on ``prompt``."""
     if isinstance(prompt, str):
@@ -147,13 +163,15 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase | None, prompt: str | list[
     if bad:
         raise ParameterError("prompt", f"holds token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
     if len(token_ids) >= max_model_len:
-        raise ParameterError("prompt", f"has {len(token_ids)} tokens, but this model's maximum context length "
-                             f"(max_model_len) is {max_model_len}", code="context_length_exceeded")
+        raise ParameterError(
+            "prompt",
+            f"has {len(token_ids)} tokens, but this model's maximum context length (max_model_len) is {max_model_len}",
+            code="context_length_exceeded",
+        )
     return token_ids
 
 
-def resolve_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int,
-                       fit_max_tokens: bool) -> int:
+def resolve_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int, fit_max_tokens: bool) -> int:
     """How many tokens a request may generate: ``max_tokens``, or the context left when None.
 
     A ``max_tokens`` that does not fit the context is cut to it when ``fit_max_tokens`` (the
@@ -164,8 +182,12 @@ def resolve_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model
     if max_tokens is None:
         return room
     if max_tokens > room and not fit_max_tokens:
-        raise ParameterError("max_tokens", f"is too large: {max_tokens}; the prompt has {num_prompt_tokens} "
-                             f"tokens and max_model_len is {max_model_len}", code="context_length_exceeded")
+        raise ParameterError(
+            "max_tokens",
+            f"is too large: {max_tokens}; the prompt has {num_prompt_tokens} "
+            f"tokens and max_model_len is {max_model_len}",
+            code="context_length_exceeded",
+        )
     return min(max_tokens, room)
 
 
@@ -191,8 +213,9 @@ class LLMEngine:
         self.max_model_len = self.config.max_model_len
         self.tokenizer = _load_tokenizer(self.config.model_dir)
         self.eos_token_ids = self._eos_token_ids()
-        self.executor = make_executor(partial(ModelRunner, self.config), self.config.tensor_parallel_size,
-                                      self.config.torch_device)
+        self.executor = make_executor(
+            partial(ModelRunner, self.config), self.config.tensor_parallel_size, self.config.torch_device
+        )
         num_blocks = self.executor.call("get_num_kvcache_blocks")
         self.block_manager = self._make_block_manager(num_blocks)
         self.kv_connector = self._make_kv_connector()
@@ -234,10 +257,15 @@ class LLMEngine:
 
     def _make_scheduler(self) -> Scheduler:
         cfg = self.config
-        args: dict[str, Any] = dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                    num_gpu_blocks=self.block_manager.num_blocks, policy=cfg.scheduling_policy,
-                    block_size=cfg.kvcache_block_size, block_manager=self.block_manager,
-                    kv_connector=self.kv_connector)
+        args: dict[str, Any] = dict(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            num_gpu_blocks=self.block_manager.num_blocks,
+            policy=cfg.scheduling_policy,
+            block_size=cfg.kvcache_block_size,
+            block_manager=self.block_manager,
+            kv_connector=self.kv_connector,
+        )
         if not cfg.enable_chunked_prefill:
             return Scheduler(**args)
         from chunked_prefill import ChunkedPrefillScheduler
@@ -256,9 +284,14 @@ class LLMEngine:
         """Token ids of ``prompt``, checked (see :func:`encode_prompt`)."""
         return encode_prompt(self.tokenizer, prompt, self.config.vocab_size, self.max_model_len)
 
-    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, priority: int = 0,
-                     fit_max_tokens: bool = True) -> EngineRequest:
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        fit_max_tokens: bool = True,
+    ) -> EngineRequest:
         """Validate everything about a request and build it, without queueing it.
 
         This is the engine's one validation: it raises :class:`ParameterError` naming the
@@ -278,13 +311,27 @@ class LLMEngine:
         if request_id in self.requests:
             raise ParameterError("request_id", f"{request_id!r} is already in use")
         max_tokens = resolve_max_tokens(params.max_tokens, len(token_ids), self.max_model_len, fit_max_tokens)
-        req = EngineRequest(request_id, token_ids, params, max_tokens, self.eos_token_ids,
-                            self.config.kvcache_block_size, self.tokenizer, priority)
+        req = EngineRequest(
+            request_id,
+            token_ids,
+            params,
+            max_tokens,
+            self.eos_token_ids,
+            self.config.kvcache_block_size,
+            self.tokenizer,
+            priority,
+        )
         self.scheduler.check_schedulable(req)  # e.g. more KV blocks than the whole cache
         return req
 
-    def add_request(self, prompt: str | list[int] | EngineRequest, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, fit_max_tokens: bool = True) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int] | EngineRequest,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        fit_max_tokens: bool = True,
+    ) -> str:
         """Queue a request; returns its id. Raises ``ValueError`` (and queues nothing) on bad input."""
         if isinstance(prompt, EngineRequest):
             req = prompt
@@ -326,8 +373,9 @@ class LLMEngine:
         self.scheduler.update_from_output(sched, sampled)
         for req in sched.sampling_requests:
             if req.request_id in self.requests:  # not aborted while the forward ran
-                outputs.append(self._process(self.requests[req.request_id],
-                                             req.token_ids[num_tokens_before[req.request_id]:]))
+                outputs.append(
+                    self._process(self.requests[req.request_id], req.token_ids[num_tokens_before[req.request_id] :])
+                )
         if self.drafter is not None:
             self.drafter.release(sched.finished_request_ids | {o.request_id for o in outputs if o.finished})
         if self.tracer is not None:
@@ -372,12 +420,19 @@ class LLMEngine:
         return self._output(req, new_ids, len(req.text), reason)
 
     def _output(self, req: EngineRequest, new_ids: list[int], text_end: int, reason: str | None) -> RequestOutput:
-        new_text = req.text[req.num_text_sent:text_end]
+        new_text = req.text[req.num_text_sent : text_end]
         req.num_text_sent = max(req.num_text_sent, text_end)
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=list(new_ids), completion_token_ids=req.completion_token_ids,
-            new_text=new_text, text=req.text[: req.num_text_sent], finished=reason is not None,
-            finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens)
+            request_id=req.request_id,
+            new_token_ids=list(new_ids),
+            completion_token_ids=req.completion_token_ids,
+            new_text=new_text,
+            text=req.text[: req.num_text_sent],
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
 
     # ------------------------------------------------------------------ observation
     def get_stats(self) -> dict:
@@ -394,8 +449,11 @@ class LLMEngine:
             "num_preemptions_total": s["num_preemptions"],
             "spec_decode_num_draft_tokens": s["num_draft_tokens"],
             "spec_decode_num_accepted_tokens": s["num_accepted_tokens"],
-            **({} if self.kv_connector is None else
-               {f"kv_pool_{k}": v for k, v in vars(self.kv_connector.stats).items()}),
+            **(
+                {}
+                if self.kv_connector is None
+                else {f"kv_pool_{k}": v for k, v in vars(self.kv_connector.stats).items()}
+            ),
         }
 
     def warm_up(self) -> float:
@@ -408,8 +466,8 @@ class LLMEngine:
         """
         start = time.perf_counter()
         budget = self.config.max_num_batched_tokens
-        prefill = [n for n in (2 ** i for i in range(4, 16)) if n < budget] + [budget]
-        decode = [b for b in (2 ** i for i in range(9)) if b <= min(self.config.max_num_seqs, 256)]
+        prefill = [n for n in (2**i for i in range(4, 16)) if n < budget] + [budget]
+        decode = [b for b in (2**i for i in range(9)) if b <= min(self.config.max_num_seqs, 256)]
         self.executor.call("warm_up", prefill, decode)
         elapsed = time.perf_counter() - start
         log.info("warm-up: prefills of %s tokens, decode batches of %s: %.1f s", prefill, decode, elapsed)

@@ -66,16 +66,19 @@ def pool_namespace(config: EngineConfig, tp_rank: int) -> str:
     with open(os.path.join(config.model_dir, "config.json"), "rb") as f:
         model = hashlib.sha256(f.read()).hexdigest()[:16]
     dtype = str(config.torch_dtype).removeprefix("torch.")
-    return (f"{model}-{dtype}-bs{config.kvcache_block_size}"
-            f"-tp{config.tensor_parallel_size}r{tp_rank}")
+    return f"{model}-{dtype}-bs{config.kvcache_block_size}-tp{config.tensor_parallel_size}r{tp_rank}"
 
 
 def make_backend(transfer: KVTransferConfig) -> KVPoolBackend:
     if transfer.kv_connector == "embedded":
         return EmbeddedKVPool(transfer.global_segment_size or 1 << 30)
     assert transfer.master_server_address and transfer.metadata_server, "KVTransferConfig requires both for mooncake"
-    return MooncakeKVPool(transfer.master_server_address, transfer.metadata_server,
-                          global_segment_size=transfer.global_segment_size, protocol=transfer.protocol)
+    return MooncakeKVPool(
+        transfer.master_server_address,
+        transfer.metadata_server,
+        global_segment_size=transfer.global_segment_size,
+        protocol=transfer.protocol,
+    )
 
 
 class KVConnectorWorker:
@@ -84,8 +87,9 @@ class KVConnectorWorker:
     def __init__(self, config: EngineConfig, tp_rank: int, kv_cache: torch.Tensor):
         assert config.kv_transfer is not None, "a worker is only made for an engine with a kv_transfer_config"
         self.transfer = config.kv_transfer
-        self.pool = GlobalKVPool(make_backend(self.transfer), pool_namespace(config, tp_rank),
-                                 config.kvcache_block_size)
+        self.pool = GlobalKVPool(
+            make_backend(self.transfer), pool_namespace(config, tp_rank), config.kvcache_block_size
+        )
         self.kv_cache = kv_cache
         self.block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
         self.stats = KVConnectorStats()
@@ -131,8 +135,7 @@ class KVConnectorScheduler:
         worker: rank 0's :class:`KVConnectorWorker` (this process's), whose pool answers queries.
     """
 
-    def __init__(self, transfer: KVTransferConfig, block_manager: PrefixCachingBlockManager,
-                 worker: KVConnectorWorker):
+    def __init__(self, transfer: KVTransferConfig, block_manager: PrefixCachingBlockManager, worker: KVConnectorWorker):
         self.transfer = transfer
         self.block_manager = block_manager
         self.worker = worker
@@ -150,7 +153,7 @@ class KVConnectorScheduler:
         if not self.transfer.loads:
             return 0
         first = num_computed_tokens // self.block_size
-        hashes = self.block_manager.block_hashes(request)[first:self.block_manager.max_hit_blocks(request)]
+        hashes = self.block_manager.block_hashes(request)[first : self.block_manager.max_hit_blocks(request)]
         if not hashes:
             return 0
         if not self._loading.isdisjoint(hashes):
@@ -163,7 +166,7 @@ class KVConnectorScheduler:
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         self._pending[request.request_id] = (request, num_external_tokens)
         first = request.num_computed_tokens // self.block_size
-        self._loading.update(self.block_manager.block_hashes(request)[first:][:num_external_tokens // self.block_size])
+        self._loading.update(self.block_manager.block_hashes(request)[first:][: num_external_tokens // self.block_size])
 
     def request_finished(self, request: Request) -> None:
         self._pending.pop(request.request_id, None)
@@ -197,6 +200,9 @@ class KVConnectorScheduler:
 
     def _transfer(self, req: Request, first: int, end: int) -> BlockTransfer:
         hashes = self.block_manager.block_hashes(req)
-        return BlockTransfer(req.request_id, hashes[first:end], [tuple(req.block(i)) for i in range(first, end)],
-                             req.block_table[first:end])
-
+        return BlockTransfer(
+            req.request_id,
+            hashes[first:end],
+            [tuple(req.block(i)) for i in range(first, end)],
+            req.block_table[first:end],
+        )

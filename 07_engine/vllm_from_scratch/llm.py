@@ -40,9 +40,13 @@ class LLM:
         self.llm_engine = LLMEngine(model_dir, **kwargs)
         self.tokenizer = self.llm_engine.tokenizer
 
-    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[dict]:
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[dict]:
         """Generate for every prompt (a string or a list of token ids, or a list of those).
 
         ``priority`` gives each prompt its priority (lower first) under
@@ -53,7 +57,9 @@ class LLM:
         """
         one = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         prompt_list = cast(list[str | list[int]], [prompts] if one else prompts)
-        per_prompt: list[SamplingParams | None] = list(params) if isinstance(params, list) else [params] * len(prompt_list)
+        per_prompt: list[SamplingParams | None] = (
+            list(params) if isinstance(params, list) else [params] * len(prompt_list)
+        )
         if len(per_prompt) != len(prompt_list):
             raise ValueError(f"params has {len(per_prompt)} entries for {len(prompt_list)} prompts")
         if priority is None:
@@ -70,8 +76,11 @@ class LLM:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
-                        results[order[out.request_id]] = {"text": out.text, "token_ids": out.completion_token_ids,
-                                                          "num_cached_tokens": out.num_cached_tokens}
+                        results[order[out.request_id]] = {
+                            "text": out.text,
+                            "token_ids": out.completion_token_ids,
+                            "num_cached_tokens": out.num_cached_tokens,
+                        }
                         bar.update(1)
         return [results[i] for i in range(len(requests))]
 

@@ -73,7 +73,9 @@ def load_config(model_dir: str) -> PretrainedConfig:
 
 def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor) -> None:
     if param.shape != loaded_weight.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded_weight.shape)} for a parameter of shape {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded_weight.shape)} for a parameter of shape {tuple(param.shape)}"
+        )
     param.data.copy_(loaded_weight)
 
 
@@ -123,9 +125,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def get_model(model_dir: str, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
-              tp_rank: int = 0, tp_size: int = 1, tp_group: ProcessGroup | None = None,
-              config: PretrainedConfig | None = None) -> torch.nn.Module:
+def get_model(
+    model_dir: str,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tp_group: ProcessGroup | None = None,
+    config: PretrainedConfig | None = None,
+) -> torch.nn.Module:
     """Build the registered model class for ``model_dir`` on ``device`` and load its weights."""
     config = config or load_config(model_dir)
     torch_dtype = resolve_dtype(dtype, device)

@@ -26,12 +26,74 @@ from prometheus_client.registry import Collector
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms line up with its dashboards.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 # (vLLM name, get_stats() key, help). Gauges are read as they are; counters get "_total".
 GAUGES = (
@@ -40,7 +102,11 @@ GAUGES = (
     ("vllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
 )
 COUNTERS = (
-    ("vllm:prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
+    (
+        "vllm:prefix_cache_queries",
+        "prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+    ),
     ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
     ("vllm:prompt_tokens", "prompt_tokens_total", "Number of prefill tokens processed."),
     ("vllm:generation_tokens", "generation_tokens_total", "Number of generation tokens processed."),
@@ -53,7 +119,11 @@ KV_POOL_COUNTERS = (
     ("vllm:kv_pool_hits", "kv_pool_hit_tokens", "KV pool hits, in terms of number of tokens found in the pool."),
     ("vllm:kv_pool_loaded_bytes", "kv_pool_loaded_bytes", "Bytes of KV loaded from the pool into the KV cache."),
     ("vllm:kv_pool_saved_bytes", "kv_pool_saved_bytes", "Bytes of KV published from the KV cache to the pool."),
-    ("vllm:kv_pool_load_failures", "kv_pool_load_failures", "Pool loads that failed or failed their check (recomputed)."),
+    (
+        "vllm:kv_pool_load_failures",
+        "kv_pool_load_failures",
+        "Pool loads that failed or failed their check (recomputed).",
+    ),
 )
 
 
@@ -86,17 +156,32 @@ class ServerMetrics:
         self.registry.register(EngineStatsCollector(get_stats, model_name))
         labels = ["model_name"]
         self.time_to_first_token = Histogram(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
         self.inter_token_latency = Histogram(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-            labels, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
         self.e2e_request_latency = Histogram(
-            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-            labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
         self._request_success = Counter(
-            "vllm:request_success", "Count of successfully processed requests.",
-            ["model_name", "finished_reason"], registry=self.registry)
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
 
     def request_finished(self, finish_reason: str) -> None:
         self._request_success.labels(self.model_name, finish_reason).inc()

@@ -53,34 +53,52 @@ class ModelRunner:
             self.device = torch.device("cuda", tp_rank)  # rank r owns GPU r, whatever "cuda:N" said
         self.block_size = config.kvcache_block_size
         self.tp_group = tp_group
-        self.model = get_model(config.model_dir, config.torch_dtype, self.device, tp_rank,
-                               config.tensor_parallel_size, tp_group, config=config.hf_config)
+        self.model = get_model(
+            config.model_dir,
+            config.torch_dtype,
+            self.device,
+            tp_rank,
+            config.tensor_parallel_size,
+            tp_group,
+            config=config.hf_config,
+        )
         prepack_model(self.model)  # on a CPU: weights packed once for oneDNN (layers/prepacked.py)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for attn in self.attn_layers:
             attn.backend = config.attention_backend
         self.sampler = Sampler()
         # The Triton kernel on a GPU; the torch version (same noise, same tokens) elsewhere.
-        self.rejection_sampler = rejection_sample_triton if self.device.type == "cuda" and HAS_TRITON \
-            else rejection_sample
+        self.rejection_sampler = (
+            rejection_sample_triton if self.device.type == "cuda" and HAS_TRITON else rejection_sample
+        )
         self.kv_cache: torch.Tensor  # [2, layers, blocks, block_size, kv_heads, head_dim], set by the next line
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.kv_worker = KVConnectorWorker(config, tp_rank, self.kv_cache) if config.kv_transfer else None
-        self.graph_runner = self.capture_cudagraph() if self.device.type == "cuda" and not config.enforce_eager else None
+        self.graph_runner = (
+            self.capture_cudagraph() if self.device.type == "cuda" and not config.enforce_eager else None
+        )
 
     def capture_cudagraph(self) -> CUDAGraphRunner:
         """Capture decode CUDA graphs (``cuda_graph.py``); every rank captures its own."""
         cfg = self.config
-        runner = CUDAGraphRunner(self.model, cfg.max_num_seqs, cfg.max_model_len, self.block_size,
-                                 cfg.hf_config.hidden_size, cfg.torch_dtype, self.device)
+        runner = CUDAGraphRunner(
+            self.model,
+            cfg.max_num_seqs,
+            cfg.max_model_len,
+            self.block_size,
+            cfg.hf_config.hidden_size,
+            cfg.torch_dtype,
+            self.device,
+        )
         runner.capture()
         return runner
 
     # ------------------------------------------------------------------ KV cache
     def _block_bytes(self) -> int:
         layer = self.attn_layers[0]
-        return bytes_per_block(len(self.attn_layers), self.block_size, layer.num_kv_heads, layer.head_dim,
-                               self.config.torch_dtype)
+        return bytes_per_block(
+            len(self.attn_layers), self.block_size, layer.num_kv_heads, layer.head_dim, self.config.torch_dtype
+        )
 
     def _num_blocks_from_memory(self) -> int:
         cfg = self.config
@@ -95,8 +113,9 @@ class ModelRunner:
         else:
             budget = int(cfg.cpu_kvcache_space_gib * 2**30)
         layer = self.attn_layers[0]
-        num = num_blocks_for_budget(max(budget, 0), len(self.attn_layers), self.block_size, layer.num_kv_heads,
-                                    layer.head_dim, cfg.torch_dtype)
+        num = num_blocks_for_budget(
+            max(budget, 0), len(self.attn_layers), self.block_size, layer.num_kv_heads, layer.head_dim, cfg.torch_dtype
+        )
         # More blocks than max_num_seqs full-length requests can ever hold would be wasted memory.
         cap = cfg.max_num_seqs * cdiv(cfg.max_model_len, self.block_size)
         return min(num, cap)
@@ -111,11 +130,20 @@ class ModelRunner:
             dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.tp_group)
             num_blocks = int(count.item())
         if num_blocks < 1:
-            raise ValueError(f"no room for a single KV block ({self._block_bytes()} bytes); lower max_num_batched_tokens "
-                             "or raise gpu_memory_utilization / cpu_kvcache_space_gib")
+            raise ValueError(
+                f"no room for a single KV block ({self._block_bytes()} bytes); lower max_num_batched_tokens "
+                "or raise gpu_memory_utilization / cpu_kvcache_space_gib"
+            )
         layer = self.attn_layers[0]
-        self.kv_cache = allocate_kv_cache(len(self.attn_layers), num_blocks, self.block_size, layer.num_kv_heads,
-                                          layer.head_dim, self.config.torch_dtype, self.device)
+        self.kv_cache = allocate_kv_cache(
+            len(self.attn_layers),
+            num_blocks,
+            self.block_size,
+            layer.num_kv_heads,
+            layer.head_dim,
+            self.config.torch_dtype,
+            self.device,
+        )
         for i, attn in enumerate(self.attn_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         return num_blocks
@@ -133,8 +161,9 @@ class ModelRunner:
         for n in prefill_lens:
             # The linear layers see all n tokens as one matrix whatever the rows; rows of at most
             # WARM_UP_ROW tokens spare the warm-up a quadratic attention over one long prompt.
-            self._dummy_forward([WARM_UP_ROW] * (n // WARM_UP_ROW) + [n % WARM_UP_ROW] * bool(n % WARM_UP_ROW),
-                                context=0)
+            self._dummy_forward(
+                [WARM_UP_ROW] * (n // WARM_UP_ROW) + [n % WARM_UP_ROW] * bool(n % WARM_UP_ROW), context=0
+            )
         for b in decode_batch_sizes:
             self._dummy_forward([1] * b, context=self.block_size - 1)
 
@@ -151,10 +180,15 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
     @staticmethod
     def attention_metadata(batch: BatchInputs) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=batch.slot_mapping, cu_seqlens_q=batch.cu_seqlens_q,
-                                 seq_lens_k=batch.seq_lens_k, block_tables=batch.block_tables,
-                                 max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k,
-                                 is_decode=batch.max_seqlen_q == 1)
+        return AttentionMetadata(
+            slot_mapping=batch.slot_mapping,
+            cu_seqlens_q=batch.cu_seqlens_q,
+            seq_lens_k=batch.seq_lens_k,
+            block_tables=batch.block_tables,
+            max_seqlen_q=batch.max_seqlen_q,
+            max_seqlen_k=batch.max_seqlen_k,
+            is_decode=batch.max_seqlen_q == 1,
+        )
 
     @torch.inference_mode()
     def compute_logits(self, batch: BatchInputs) -> torch.Tensor | None:
@@ -183,12 +217,14 @@ class ModelRunner:
             self.kv_worker.save(scheduler_output.kv_connector_metadata.saves)
         if logits is None or logits.shape[0] == 0:
             return {}
-        sampling = SamplingTensors.from_requests(scheduler_output.scheduled_requests, info.num_sample_rows,
-                                                 logits.shape[-1], logits.device)
+        sampling = SamplingTensors.from_requests(
+            scheduler_output.scheduled_requests, info.num_sample_rows, logits.shape[-1], logits.device
+        )
         if any(info.num_spec):
             return self.verify_drafts(logits, sampling, info)
-        tokens = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps,
-                              sampling.generators).tolist()
+        tokens = self.sampler(
+            logits, sampling.temperatures, sampling.top_ks, sampling.top_ps, sampling.generators
+        ).tolist()
         return {rid: [t] for rid, t in zip(sampling.request_ids, tokens)}
 
     def load_kv(self, transfers: list[BlockTransfer]) -> dict[str, int]:
@@ -202,28 +238,33 @@ class ModelRunner:
             loaded = dict(zip(loaded, counts.tolist()))
         return {rid: n * self.block_size for rid, n in loaded.items()}
 
-    def verify_drafts(self, logits: torch.Tensor, sampling: SamplingTensors,
-                      info: SchedulerInfo) -> dict[str, list[int]]:
+    def verify_drafts(
+        self, logits: torch.Tensor, sampling: SamplingTensors, info: SchedulerInfo
+    ) -> dict[str, list[int]]:
         """Chapter 05's rejection sampling of every sampling request's drafts, in one call.
 
         Request ``i``'s ``k_i + 1`` logits rows become its target distributions ``[k_i + 1, V]``,
         padded to the batch's largest ``K + 1`` (padding rows are never read); a request without
         drafts is then a plain sample from its one distribution.
         """
-        drafts = [info.merge_prompt[idx + last - k + 1: idx + last + 1]
-                  for idx, last, k in zip(info.chunk_idx, info.last_pos, info.num_spec) if last >= 0]
+        drafts = [
+            info.merge_prompt[idx + last - k + 1 : idx + last + 1]
+            for idx, last, k in zip(info.chunk_idx, info.last_pos, info.num_spec)
+            if last >= 0
+        ]
         num_spec = torch.tensor([len(d) for d in drafts], device=logits.device)
         K = int(num_spec.max())
         probs = Sampler.compute_probs(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps)
         starts = torch.cumsum(num_spec + 1, 0) - (num_spec + 1)
-        rows = starts.unsqueeze(1) + torch.minimum(torch.arange(K + 1, device=logits.device).unsqueeze(0),
-                                                   num_spec.unsqueeze(1))
+        rows = starts.unsqueeze(1) + torch.minimum(
+            torch.arange(K + 1, device=logits.device).unsqueeze(0), num_spec.unsqueeze(1)
+        )
         target = probs[rows]  # [B, K + 1, V]
         draft_ids = pad_draft_token_ids(drafts, K, device=logits.device)
         sampler = self.rejection_sampler
         out = sampler(draft_ids, None, target)
         for i, gen in enumerate(sampling.request_generators):
             if gen is not None:  # a seeded request draws from its own generator, whatever the batch
-                out[i] = sampler(draft_ids[i:i + 1], None, target[i:i + 1], generator=gen)[0]
+                out[i] = sampler(draft_ids[i : i + 1], None, target[i : i + 1], generator=gen)[0]
         accepted = num_accepted_tokens(out).tolist()
         return {rid: row[: n + 1] for rid, row, n in zip(sampling.request_ids, out.tolist(), accepted)}

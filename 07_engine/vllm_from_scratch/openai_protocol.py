@@ -30,8 +30,14 @@ from typing_extensions import TypeAliasType, TypeIs
 class APIError(Exception):
     """An error the client caused (or the server hit), rendered as an OpenAI error body."""
 
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None,
-                 code: str | None = None, type: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status_code = status_code
@@ -51,8 +57,9 @@ def _default_error_type(status_code: int) -> str:
     return "invalid_request_error"
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """``{"error": {"message", "type", "param", "code"}}``, the shape the openai client parses."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -104,16 +111,14 @@ class _SamplingFields(BaseModel):
     def check_supported(self) -> None:
         """Refuse what the engine cannot do, naming the field (400)."""
         if self.n != 1:
-            raise APIError(f"n={self.n} is not supported: this server returns one choice (n=1)",
-                           param="n")
+            raise APIError(f"n={self.n} is not supported: this server returns one choice (n=1)", param="n")
         if self.presence_penalty or self.frequency_penalty:
             param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
             raise APIError(f"{param} is not supported by this engine", param=param)
         if self.logit_bias:
             raise APIError("logit_bias is not supported by this engine", param="logit_bias")
         if self.stream_options is not None and not self.stream:
-            raise APIError("stream_options is only allowed when stream is true",
-                           param="stream_options")
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
 
     @property
     def include_usage(self) -> bool:
@@ -200,8 +205,7 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text":
-                raise APIError(f"content part type {part.get('type')!r} is not supported "
-                               "(text only)", param="messages")
+                raise APIError(f"content part type {part.get('type')!r} is not supported (text only)", param="messages")
             parts.append(str(part.get("text", "")))
         return "".join(parts)
 
@@ -225,8 +229,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.tools:
             raise APIError("tools are not supported by this engine", param="tools")
         if self.response_format and self.response_format.get("type") != "text":
-            raise APIError("response_format other than text is not supported",
-                           param="response_format")
+            raise APIError("response_format other than text is not supported", param="response_format")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -245,9 +248,12 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def now() -> int:

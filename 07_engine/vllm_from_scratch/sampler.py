@@ -52,8 +52,9 @@ class SamplingTensors:
     request_generators: list[torch.Generator | None]
 
     @classmethod
-    def from_requests(cls, requests: Sequence, num_rows: Sequence[int], vocab_size: int,
-                      device: torch.device | str) -> SamplingTensors:
+    def from_requests(
+        cls, requests: Sequence, num_rows: Sequence[int], vocab_size: int, device: torch.device | str
+    ) -> SamplingTensors:
         """``requests[i]`` (with ``sampling_params`` and ``generator``) owns ``num_rows[i]`` rows."""
         sampling = [(r, n) for r, n in zip(requests, num_rows) if n]
         params = [r.sampling_params for r, n in sampling for _ in range(n)]
@@ -72,8 +73,12 @@ class Sampler:
     """Greedy, temperature, top-k and top-p sampling with optional per-row generators."""
 
     @staticmethod
-    def compute_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor | None = None,
-                      top_ps: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_probs(
+        logits: torch.Tensor,
+        temperatures: torch.Tensor,
+        top_ks: torch.Tensor | None = None,
+        top_ps: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The distribution each row samples from (one-hot on the argmax for greedy rows).
 
         Speculative decoding's rejection sampler needs these probabilities, not just a sample.
@@ -100,9 +105,14 @@ class Sampler:
                 uniform[row].uniform_(generator=gen)
         return (probs / uniform.log_().neg_()).argmax(dim=-1)
 
-    def __call__(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor | None = None,
-                 top_ps: torch.Tensor | None = None,
-                 generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        temperatures: torch.Tensor,
+        top_ks: torch.Tensor | None = None,
+        top_ps: torch.Tensor | None = None,
+        generators: list[torch.Generator | None] | None = None,
+    ) -> torch.Tensor:
         """Next token per row of ``logits [B, V]``; ``temperatures [B]`` (< 1e-5: greedy)."""
         greedy = temperatures < 1e-5
         if bool(greedy.all()):

@@ -21,21 +21,34 @@ log = logging.getLogger(__name__)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="Serve a model over the OpenAI API (completions, chat, SSE streaming, /health, /metrics).")
-    parser.add_argument("model", nargs="?", default=None,
-                        help="Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
+        description="Serve a model over the OpenAI API (completions, chat, SSE streaming, /health, /metrics)."
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the name clients pass as `model` (default: the directory's name)")
+    parser.add_argument(
+        "--served-model-name", default=None, help="the name clients pass as `model` (default: the directory's name)"
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    parser.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
-                             "(default: the VLLM_API_KEY environment variable, which keeps the key out of "
-                             "the process list; neither: no key)")
-    parser.add_argument("--max-request-bytes", type=positive_int, default=None,
-                        help="refuse larger request bodies with a 413 before parsing them (default: "
-                             "128 bytes per token of --max-model-len, plus 64 KiB)")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
+        "(default: the VLLM_API_KEY environment variable, which keeps the key out of "
+        "the process list; neither: no key)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=None,
+        help="refuse larger request bodies with a 413 before parsing them (default: "
+        "128 bytes per token of --max-model-len, plus 64 KiB)",
+    )
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args(argv)
     if args.api_key == "":
@@ -76,13 +89,26 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine(model_dir, **EngineConfig.cli_kwargs(args))
     api_key = resolve_api_key(args)
     if api_key is None and not is_loopback(args.host):
-        log.warning("listening on %s without an API key: anyone who can reach port %d can use this "
-                    "server (set --api-key or VLLM_API_KEY)", args.host, args.port)
-    app = build_app(engine, args.served_model_name or Path(model_dir).name,
-                    tokenizer=AutoTokenizer.from_pretrained(model_dir), api_key=api_key,
-                    max_request_bytes=args.max_request_bytes)
-    log.info("serving %s on http://%s:%d/v1 (%s)", model_dir, args.host, args.port,
-             "API key required" if api_key else "no API key")
+        log.warning(
+            "listening on %s without an API key: anyone who can reach port %d can use this "
+            "server (set --api-key or VLLM_API_KEY)",
+            args.host,
+            args.port,
+        )
+    app = build_app(
+        engine,
+        args.served_model_name or Path(model_dir).name,
+        tokenizer=AutoTokenizer.from_pretrained(model_dir),
+        api_key=api_key,
+        max_request_bytes=args.max_request_bytes,
+    )
+    log.info(
+        "serving %s on http://%s:%d/v1 (%s)",
+        model_dir,
+        args.host,
+        args.port,
+        "API key required" if api_key else "no API key",
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

@@ -76,15 +76,22 @@ class OpenAIServing:
     lowest CPU priority (:func:`lowest_cpu_priority`): the requests already running come first.
     """
 
-    def __init__(self, llm: AsyncLLM, served_model_name: str, tokenizer: PreTrainedTokenizerBase | None,
-                 max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        served_model_name: str,
+        tokenizer: PreTrainedTokenizerBase | None,
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
         self.llm = llm
         self.served_model_name = served_model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.executor = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="prepare",
-                                           initializer=lowest_cpu_priority)
+        self.executor = ThreadPoolExecutor(
+            PREPARE_WORKERS, thread_name_prefix="prepare", initializer=lowest_cpu_priority
+        )
 
     def shutdown(self) -> None:
         """Stop the preparation threads; bodies not started yet are dropped."""
@@ -92,8 +99,9 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
-            raise APIError(f"The model `{model}` does not exist.", status_code=404, param="model",
-                           code="model_not_found")
+            raise APIError(
+                f"The model `{model}` does not exist.", status_code=404, param="model", code="model_not_found"
+            )
 
     # ---- the worker thread's part: body in, SamplingParams and checked token ids out --------
 
@@ -119,15 +127,17 @@ class OpenAIServing:
         try:
             # tokenize=False renders one conversation to its text; transformers types the return
             # of every mode of the call at once.
-            text = cast(str, self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                                 add_generation_prompt=True))
+            text = cast(
+                str, self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            )
         except Exception as exc:  # noqa: BLE001 - a template error is the messages' fault
             raise APIError(f"cannot apply the chat template: {exc}", param="messages") from exc
         # The template already wrote the special tokens (BOS, role markers).
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    async def start(self, base_id: str, prompts: list[list[int]], params: SamplingParams,
-                    body: OpenAIRequest) -> list[RequestStream]:
+    async def start(
+        self, base_id: str, prompts: list[list[int]], params: SamplingParams, body: OpenAIRequest
+    ) -> list[RequestStream]:
         """Add every prompt to the engine; on any refusal, abort the ones already added."""
         streams: list[RequestStream] = []
         try:
@@ -152,24 +162,30 @@ class OpenAIServing:
         request_id = random_id("cmpl")
         streams = await self.start(request_id, prompts, params, body)
         choices = [Choice(prompt_tokens=len(ids)) for ids in prompts]
-        header = {"id": request_id, "object": "text_completion", "created": now(),
-                  "model": self.served_model_name}
+        header = {"id": request_id, "object": "text_completion", "created": now(), "model": self.served_model_name}
         if body.stream:
-            return StreamingResponse(self._completion_events(streams, choices, header, body),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._completion_events(streams, choices, header, body), media_type="text/event-stream"
+            )
         await collect_or_abort(raw, streams, lambda i, out: choices[i].update(out))
-        return JSONResponse({
-            **header,
-            "choices": [{"index": i, "text": c.text, "logprobs": None,
-                         "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
-            "usage": total_usage(choices),
-        })
+        return JSONResponse(
+            {
+                **header,
+                "choices": [
+                    {"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                    for i, c in enumerate(choices)
+                ],
+                "usage": total_usage(choices),
+            }
+        )
 
-    async def _completion_events(self, streams: list[RequestStream], choices: list[Choice],
-                                 header: dict[str, Any], body: CompletionRequest) -> AsyncIterator[str]:
+    async def _completion_events(
+        self, streams: list[RequestStream], choices: list[Choice], header: dict[str, Any], body: CompletionRequest
+    ) -> AsyncIterator[str]:
         def chunk(i: int, text: str, finish_reason: str | None) -> str:
-            return sse({**header, "choices": [{"index": i, "text": text, "logprobs": None,
-                                               "finish_reason": finish_reason}]})
+            return sse(
+                {**header, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            )
 
         async for event in stream_events(streams, lambda i, out: choices[i].update(out), chunk):
             yield event
@@ -186,28 +202,36 @@ class OpenAIServing:
         request_id = random_id("chatcmpl")
         streams = await self.start(request_id, [ids], params, body)
         choices = [Choice(prompt_tokens=len(ids))]
-        header = {"id": request_id, "object": "chat.completion", "created": now(),
-                  "model": self.served_model_name}
+        header = {"id": request_id, "object": "chat.completion", "created": now(), "model": self.served_model_name}
         if body.stream:
             header["object"] = "chat.completion.chunk"
-            return StreamingResponse(self._chat_events(streams, choices, header, body),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._chat_events(streams, choices, header, body), media_type="text/event-stream")
         await collect_or_abort(raw, streams, lambda i, out: choices[i].update(out))
-        return JSONResponse({
-            **header,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": choices[0].text},
-                         "logprobs": None, "finish_reason": choices[0].finish_reason}],
-            "usage": total_usage(choices),
-        })
+        return JSONResponse(
+            {
+                **header,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": choices[0].text},
+                        "logprobs": None,
+                        "finish_reason": choices[0].finish_reason,
+                    }
+                ],
+                "usage": total_usage(choices),
+            }
+        )
 
-    async def _chat_events(self, streams: list[RequestStream], choices: list[Choice],
-                           header: dict[str, Any], body: ChatCompletionRequest) -> AsyncIterator[str]:
+    async def _chat_events(
+        self, streams: list[RequestStream], choices: list[Choice], header: dict[str, Any], body: ChatCompletionRequest
+    ) -> AsyncIterator[str]:
         def chunk(i: int, text: str | None, finish_reason: str | None, role: bool = False) -> str:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            return sse({**header, "choices": [{"index": i, "delta": delta, "logprobs": None,
-                                               "finish_reason": finish_reason}]})
+            return sse(
+                {**header, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            )
 
         # OpenAI's first chunk announces the role; content follows in later deltas.
         yield chunk(0, None, None, role=True)
@@ -241,6 +265,8 @@ def sampling_params(body: OpenAIRequest) -> SamplingParams:
 
 
 def total_usage(choices: list[Choice]) -> dict[str, Any]:
-    return usage(sum(c.prompt_tokens for c in choices),
-                 sum(c.completion_tokens for c in choices),
-                 sum(c.cached_tokens for c in choices))
+    return usage(
+        sum(c.prompt_tokens for c in choices),
+        sum(c.completion_tokens for c in choices),
+        sum(c.cached_tokens for c in choices),
+    )

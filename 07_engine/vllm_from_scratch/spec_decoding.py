@@ -49,8 +49,7 @@ class PagedDraftModel:
         self.block_manager = BlockManager(runner.num_kvcache_blocks, self.block_size)
         self.sequences: dict[Hashable, PagedSequence] = {}
 
-    def get_logits_batch(self, token_ids_list: Sequence[Sequence[int]],
-                         keys: Sequence[Hashable]) -> torch.Tensor:
+    def get_logits_batch(self, token_ids_list: Sequence[Sequence[int]], keys: Sequence[Hashable]) -> torch.Tensor:
         seqs = [self._take(key, ids, batch_keys=keys) for ids, key in zip(token_ids_list, keys)]
         info = SchedulerInfo.from_sequences(seqs, [s.num_tokens - s.num_computed_tokens for s in seqs])
         logits = self.runner.compute_logits(build_batch_inputs(info, self.block_size, self.runner.device))
@@ -72,7 +71,7 @@ class PagedDraftModel:
         if seq is None:
             seq = self.sequences[key] = PagedSequence(ids, self.block_size)
         # The last token is always fed: its logits are the answer.
-        start = min(common_prefix_len(seq.token_ids[:seq.num_computed_tokens], ids), len(ids) - 1)
+        start = min(common_prefix_len(seq.token_ids[: seq.num_computed_tokens], ids), len(ids) - 1)
         del seq.token_ids[start:]
         seq.token_ids.extend(ids[start:])
         seq.num_computed_tokens = start
@@ -108,14 +107,22 @@ class DraftProposer:
         assert spec.model is not None, "SpeculativeConfig requires a model for draft_model"
         per_request = cdiv(self.k + 1, config.kvcache_block_size) + 1
         draft_config = EngineConfig(
-            spec.model, device=str(config.torch_device), dtype=str(config.torch_dtype).removeprefix("torch."),
-            kvcache_block_size=config.kvcache_block_size, max_num_seqs=config.max_num_seqs,
+            spec.model,
+            device=str(config.torch_device),
+            dtype=str(config.torch_dtype).removeprefix("torch."),
+            kvcache_block_size=config.kvcache_block_size,
+            max_num_seqs=config.max_num_seqs,
             num_kvcache_blocks=num_target_blocks + config.max_num_seqs * per_request,
-            max_model_len=config.max_model_len, enable_prefix_caching=False, enforce_eager=True,
-            attention_backend=config.attention_backend)
+            max_model_len=config.max_model_len,
+            enable_prefix_caching=False,
+            enforce_eager=True,
+            attention_backend=config.attention_backend,
+        )
         if draft_config.vocab_size != config.vocab_size:
-            raise ValueError(f"the draft model's vocab_size ({draft_config.vocab_size}) differs from the "
-                             f"target's ({config.vocab_size})")
+            raise ValueError(
+                f"the draft model's vocab_size ({draft_config.vocab_size}) differs from the "
+                f"target's ({config.vocab_size})"
+            )
         return ModelRunner(draft_config)
 
     def propose(self, running: Sequence[Request]) -> None:

@@ -38,9 +38,16 @@ Record = dict[str, Any]
 Sink = Callable[[Record], None]
 
 # The settings copied into the header: the ones that change what a step does.
-_HEADER_SETTINGS = ("enable_prefix_caching", "enable_chunked_prefill", "scheduling_policy",
-                    "long_prefill_token_threshold", "speculative_config", "max_model_len",
-                    "tensor_parallel_size", "attention_backend")
+_HEADER_SETTINGS = (
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "scheduling_policy",
+    "long_prefill_token_threshold",
+    "speculative_config",
+    "max_model_len",
+    "tensor_parallel_size",
+    "attention_backend",
+)
 
 
 def work_kind(start: int, num_known: int, num_drafts: int, samples: bool, num_prompt_tokens: int) -> str:
@@ -111,13 +118,26 @@ class StepTracer:
         settings["dtype"] = str(cfg.torch_dtype).removeprefix("torch.")
         settings["device"] = str(cfg.torch_device)
         bm = self.engine.block_manager
-        return {"type": "header", "schema": SCHEMA, "model": Path(cfg.model_dir).name,
-                "num_blocks": bm.num_blocks, "block_size": bm.block_size,
-                "token_budget": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
-                "unix_time": self._unix_t0, "settings": settings}
+        return {
+            "type": "header",
+            "schema": SCHEMA,
+            "model": Path(cfg.model_dir).name,
+            "num_blocks": bm.num_blocks,
+            "block_size": bm.block_size,
+            "token_budget": cfg.max_num_batched_tokens,
+            "max_num_seqs": cfg.max_num_seqs,
+            "unix_time": self._unix_t0,
+            "settings": settings,
+        }
 
-    def on_step(self, sched: SchedulerOutput, sampled: dict[str, list[int]], outputs: list[RequestOutput],
-                start: float, duration: float) -> None:
+    def on_step(
+        self,
+        sched: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        outputs: list[RequestOutput],
+        start: float,
+        duration: float,
+    ) -> None:
         """Record the step that ran ``sched`` (a non-empty SchedulerOutput), sampled ``sampled``
         and returned ``outputs`` (RequestOutputs); ``start`` is its ``time.perf_counter()``."""
         step = self._step
@@ -127,13 +147,22 @@ class StepTracer:
             self._hashed = self._loaded_blocks = None
             return
         scheduled = [self._scheduled(sched, r, sampled) for r in sched.scheduled_requests]
-        record: Record = {"type": "step", "schema": SCHEMA, "step": step,
-                          "t": round(start - self._t0, 6), "duration": round(duration, 6),
-                          "budget": _budget(sched.token_budget, scheduled), "scheduled": scheduled,
-                          "admitted": list(sched.admitted_request_ids),
-                          "prefix_hits": {rid: sched.num_computed_tokens[rid] for rid in sched.admitted_request_ids
-                                          if sched.num_computed_tokens.get(rid)},
-                          "preempted": [r.request_id for r in sched.preempted_requests]}
+        record: Record = {
+            "type": "step",
+            "schema": SCHEMA,
+            "step": step,
+            "t": round(start - self._t0, 6),
+            "duration": round(duration, 6),
+            "budget": _budget(sched.token_budget, scheduled),
+            "scheduled": scheduled,
+            "admitted": list(sched.admitted_request_ids),
+            "prefix_hits": {
+                rid: sched.num_computed_tokens[rid]
+                for rid in sched.admitted_request_ids
+                if sched.num_computed_tokens.get(rid)
+            },
+            "preempted": [r.request_id for r in sched.preempted_requests],
+        }
         record.update(self._outputs(outputs))
         record.update(self._snapshot(extra_new=sched.scheduled_requests))
         pool = self._pool(sched)
@@ -150,8 +179,15 @@ class StepTracer:
     def close(self) -> None:
         """Write the ``end`` record (aborts since the last step, the final pool) and close the file."""
         if self._sinks:
-            self._emit({"type": "end", "schema": SCHEMA, "step": self._step,
-                        "t": round(time.perf_counter() - self._t0, 6), **self._snapshot()})
+            self._emit(
+                {
+                    "type": "end",
+                    "schema": SCHEMA,
+                    "step": self._step,
+                    "t": round(time.perf_counter() - self._t0, 6),
+                    **self._snapshot(),
+                }
+            )
         self._sinks = ()
         if self._file is not None:
             self._file.close()
@@ -164,11 +200,16 @@ class StepTracer:
         drafts = sched.scheduled_spec_decode_tokens.get(rid, [])
         samples = sched.produces_token(rid)
         tokens = list(sampled.get(rid) or []) if samples else []
-        return {"id": rid, "kind": work_kind(start, num_tokens - len(drafts), len(drafts), samples,
-                                             req.num_prompt_tokens),
-                "tokens": num_tokens, "start": start, "computed": req.num_computed_tokens,
-                "drafts": len(drafts), "accepted": max(len(tokens) - 1, 0) if drafts else 0,
-                "sampled": tokens}
+        return {
+            "id": rid,
+            "kind": work_kind(start, num_tokens - len(drafts), len(drafts), samples, req.num_prompt_tokens),
+            "tokens": num_tokens,
+            "start": start,
+            "computed": req.num_computed_tokens,
+            "drafts": len(drafts),
+            "accepted": max(len(tokens) - 1, 0) if drafts else 0,
+            "sampled": tokens,
+        }
 
     def _outputs(self, outputs: list) -> Record:
         """Text increments and the requests that finished (aborts are recorded apart)."""
@@ -180,8 +221,14 @@ class StepTracer:
             if out.new_text:
                 text[out.request_id] = out.new_text
             if out.finished:
-                finished.append({"id": out.request_id, "reason": out.finish_reason,
-                                 "completion_tokens": len(out.completion_token_ids), "text": out.text})
+                finished.append(
+                    {
+                        "id": out.request_id,
+                        "reason": out.finish_reason,
+                        "completion_tokens": len(out.completion_token_ids),
+                        "text": out.text,
+                    }
+                )
         return {"finished": finished, "text": text}
 
     def _snapshot(self, extra_new: Iterable = ()) -> Record:
@@ -195,13 +242,20 @@ class StepTracer:
         record: Record = {
             "new": self._new_requests([*live, *extra_new, *aborted]),
             "aborted": [r.request_id for r in aborted],
-            "waiting": [{"id": r.request_id, "priority": r.priority, "preempted": r.num_preemptions > 0}
-                        for r in waiting],
+            "waiting": [
+                {"id": r.request_id, "priority": r.priority, "preempted": r.num_preemptions > 0} for r in waiting
+            ],
             "loading": [r.request_id for r in loading],
             "running": [{"id": r.request_id, "priority": r.priority} for r in running],
-            "requests": {r.request_id: {"status": r.status.name.lower(), "tokens": r.num_tokens,
-                                        "computed": r.num_computed_tokens, "blocks": list(r.block_table)}
-                         for r in live},
+            "requests": {
+                r.request_id: {
+                    "status": r.status.name.lower(),
+                    "tokens": r.num_tokens,
+                    "computed": r.num_computed_tokens,
+                    "blocks": list(r.block_table),
+                }
+                for r in live
+            },
             "blocks": self._blocks(),
         }
         self._known.difference_update(record["aborted"])
@@ -217,8 +271,11 @@ class StepTracer:
         stats = getattr(connector, "stats", None)
         totals = dict(vars(stats)) if stats is not None else {}
         saves = getattr(getattr(sched, "kv_connector_metadata", None), "saves", [])
-        record = {"loaded": self._loaded(sched, totals.get("loaded_blocks", 0)),
-                  "published": {t.request_id: len(t.block_ids) for t in saves}, "totals": totals}
+        record = {
+            "loaded": self._loaded(sched, totals.get("loaded_blocks", 0)),
+            "published": {t.request_id: len(t.block_ids) for t in saves},
+            "totals": totals,
+        }
         self._running_before = {r.request_id for r in self.engine.scheduler.running}
         return record
 
@@ -235,11 +292,14 @@ class StepTracer:
                 loaded[rid] = sched.num_computed_tokens[rid] - parked_at
             elif rid in scheduler.requests and rid not in loading:
                 loaded[rid] = scheduler.requests[rid].num_computed_tokens - parked_at
-        unseen = [rid for rid in sched.num_computed_tokens
-                  if rid not in sched.admitted_request_ids and rid not in self._running_before
-                  and rid not in self._parked]
-        remaining = (loaded_blocks - (self._loaded_blocks or 0)) * self.engine.block_manager.block_size \
-            - sum(loaded.values())
+        unseen = [
+            rid
+            for rid in sched.num_computed_tokens
+            if rid not in sched.admitted_request_ids and rid not in self._running_before and rid not in self._parked
+        ]
+        remaining = (loaded_blocks - (self._loaded_blocks or 0)) * self.engine.block_manager.block_size - sum(
+            loaded.values()
+        )
         if self._loaded_blocks is not None and remaining > 0 and len(unseen) == 1:
             loaded[unseen[0]] = remaining
         self._parked = {rid: r.num_computed_tokens for rid, r in loading.items()}
@@ -252,8 +312,15 @@ class StepTracer:
             if r.request_id in self._known:
                 continue
             self._known.add(r.request_id)
-            new.append({"id": r.request_id, "prompt_tokens": r.num_prompt_tokens, "max_tokens": r.max_tokens,
-                        "priority": r.priority, "arrival": round(r.arrival_time - self._unix_t0, 6)})
+            new.append(
+                {
+                    "id": r.request_id,
+                    "prompt_tokens": r.num_prompt_tokens,
+                    "max_tokens": r.max_tokens,
+                    "priority": r.priority,
+                    "arrival": round(r.arrival_time - self._unix_t0, 6),
+                }
+            )
         return new
 
     def _blocks(self) -> Record:
@@ -262,9 +329,12 @@ class StepTracer:
         bm = self.engine.block_manager
         blocks = bm.blocks
         cached_map = getattr(bm, "cached_block_hash_to_block", None)
-        state: Record = {"num_free": bm.get_num_free_blocks(),
-                         "ref_counts": {str(b): blocks[b].ref_count for b in sorted(bm.used_block_ids)},
-                         "cached_free": [], "evicted": []}
+        state: Record = {
+            "num_free": bm.get_num_free_blocks(),
+            "ref_counts": {str(b): blocks[b].ref_count for b in sorted(bm.used_block_ids)},
+            "cached_free": [],
+            "evicted": [],
+        }
         if cached_map is None:
             return state
         state["cached_free"] = [b for b in bm.free_block_ids if blocks[b].block_hash is not None]
@@ -280,8 +350,6 @@ def _budget(total: int, scheduled: list[Record]) -> Record:
     for s in scheduled:
         used[s["kind"]] += s["tokens"]
     return {"total": total, "used": sum(used.values()), **used}
-
-
 
 
 # ---------------------------------------------------------------------------- reading and checking
@@ -323,8 +391,10 @@ def read_trace(path: str | os.PathLike, progress: bool = False) -> tuple[Record,
         lines.pop()
     if not lines:
         raise TraceError(path, 1, "the trace is empty (no header line)")
-    records = [parse_record(text, i, path)
-               for i, text in enumerate(tqdm(lines, desc="reading trace", unit="line", disable=not progress), 1)]
+    records = [
+        parse_record(text, i, path)
+        for i, text in enumerate(tqdm(lines, desc="reading trace", unit="line", disable=not progress), 1)
+    ]
     return records[0], records[1:]
 
 
@@ -370,24 +440,28 @@ def check_trace(path: str | os.PathLike, require_end: bool = True) -> TraceSumma
         left = set(summary.requests) - set(summary.finished)
         assert not left, f"{path}: requests never finished nor aborted: {sorted(left)}"
         final = records[-1]["blocks"]
-        assert not final["ref_counts"] and final["num_free"] == header["num_blocks"], \
+        assert not final["ref_counts"] and final["num_free"] == header["num_blocks"], (
             f"{path}: blocks still held at the end: {final['ref_counts']}"
+        )
     return summary
 
 
 def _check_blocks(header: Record, record: Record, where: str) -> None:
     blocks, num_blocks, block_size = record["blocks"], header["num_blocks"], header["block_size"]
     held = {int(b): n for b, n in blocks["ref_counts"].items()}
-    assert blocks["num_free"] + len(held) == num_blocks, \
+    assert blocks["num_free"] + len(held) == num_blocks, (
         f"{where}: {blocks['num_free']} free + {len(held)} held != {num_blocks} blocks"
+    )
     assert all(0 <= b < num_blocks and n > 0 for b, n in held.items()), f"{where}: bad held block {held}"
     cached = blocks["cached_free"]
-    assert len(set(cached)) == len(cached) and not set(cached) & set(held), \
+    assert len(set(cached)) == len(cached) and not set(cached) & set(held), (
         f"{where}: a cached-free block is listed twice or is held"
+    )
     holders: dict[int, int] = {}
     for rid, req in record["requests"].items():
-        assert len(req["blocks"]) * block_size >= req["computed"], \
+        assert len(req["blocks"]) * block_size >= req["computed"], (
             f"{where}: {rid}'s {len(req['blocks'])} blocks do not cover its {req['computed']} computed tokens"
+        )
         for b in req["blocks"]:
             holders[b] = holders.get(b, 0) + 1
     assert holders == held, f"{where}: reference counts {held} != block-table holders {holders}"

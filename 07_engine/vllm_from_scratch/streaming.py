@@ -68,8 +68,11 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
             t.cancel()
 
 
-async def stream_events(streams: list[RequestStream], on_output: Callable[[int, RequestOutput], None],
-                        chunk: Callable[[int, str, str | None], str]) -> AsyncIterator[str]:
+async def stream_events(
+    streams: list[RequestStream],
+    on_output: Callable[[int, RequestOutput], None],
+    chunk: Callable[[int, str, str | None], str],
+) -> AsyncIterator[str]:
     """SSE chunks (made by ``chunk(index, text, finish_reason)``) for every output that carries
     text or a finish reason; ``on_output(index, output)`` sees every output first.
 
@@ -97,8 +100,9 @@ async def _collect(streams: list[RequestStream], on_output: Callable[[int, Reque
             s.abort()
 
 
-async def collect_or_abort(raw: Request, streams: list[RequestStream],
-                           on_output: Callable[[int, RequestOutput], None]) -> None:
+async def collect_or_abort(
+    raw: Request, streams: list[RequestStream], on_output: Callable[[int, RequestOutput], None]
+) -> None:
     """Run a non-streamed request to the end, aborting it if its client disconnects first."""
     work = asyncio.ensure_future(_collect(streams, on_output))
     gone = asyncio.ensure_future(_wait_for_disconnect(raw))

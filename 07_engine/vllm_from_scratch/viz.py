@@ -45,8 +45,11 @@ def render_page(config: dict, records: list[Record] | None = None) -> str:
     "live", ``source``, ``events``) and the trace's ``records`` (header first) embedded."""
     trace = "\n".join(_script_json(r) for r in records or [])
     page = _asset("viz_page.html")
-    for marker, value in (("/*VFS:CSS*/", _asset("viz_page.css")), ("/*VFS:JS*/", _asset("viz_page.js")),
-                          ("/*VFS:CONFIG*/", _script_json(config))):
+    for marker, value in (
+        ("/*VFS:CSS*/", _asset("viz_page.css")),
+        ("/*VFS:JS*/", _asset("viz_page.js")),
+        ("/*VFS:CONFIG*/", _script_json(config)),
+    ):
         page = page.replace(marker, value, 1)
     return page.replace("/*VFS:TRACE*/", trace, 1)  # last: the trace may hold any text
 
@@ -72,9 +75,11 @@ def chrome_trace(header: Record, records: list[Record]) -> dict:
     ``queued`` (arrival to admission), ``prefill`` / ``decode`` / ``verify`` (consecutive steps of
     the same work merged) and ``preempted`` (preemption to re-admission).
     """
-    events: list[dict] = [_meta(ENGINE_PID, None, "process_name", "engine"),
-                          _meta(ENGINE_PID, 0, "thread_name", "steps"),
-                          _meta(REQUESTS_PID, None, "process_name", "requests")]
+    events: list[dict] = [
+        _meta(ENGINE_PID, None, "process_name", "engine"),
+        _meta(ENGINE_PID, 0, "thread_name", "steps"),
+        _meta(REQUESTS_PID, None, "process_name", "requests"),
+    ]
     tracks = _RequestTracks(events)
     for rec in records:
         tracks.see(rec)
@@ -83,19 +88,52 @@ def chrome_trace(header: Record, records: list[Record]) -> dict:
             continue
         t, dur = _us(rec["t"]), _us(rec["duration"])
         budget = rec["budget"]
-        events.append({"ph": "X", "pid": ENGINE_PID, "tid": 0, "name": f"step {rec['step']}", "ts": t, "dur": dur,
-                       "args": {**budget, "running": len(rec["running"]), "waiting": len(rec["waiting"])}})
-        events.append({"ph": "C", "pid": ENGINE_PID, "name": "tokens", "ts": t,
-                       "args": {k: budget[k] for k in ("prefill", "decode", "verify")}})
+        events.append(
+            {
+                "ph": "X",
+                "pid": ENGINE_PID,
+                "tid": 0,
+                "name": f"step {rec['step']}",
+                "ts": t,
+                "dur": dur,
+                "args": {**budget, "running": len(rec["running"]), "waiting": len(rec["waiting"])},
+            }
+        )
+        events.append(
+            {
+                "ph": "C",
+                "pid": ENGINE_PID,
+                "name": "tokens",
+                "ts": t,
+                "args": {k: budget[k] for k in ("prefill", "decode", "verify")},
+            }
+        )
         blocks = rec["blocks"]
-        events.append({"ph": "C", "pid": ENGINE_PID, "name": "blocks", "ts": t,
-                       "args": {"held": len(blocks["ref_counts"]), "cached_free": len(blocks["cached_free"]),
-                                "free": blocks["num_free"] - len(blocks["cached_free"])}})
+        events.append(
+            {
+                "ph": "C",
+                "pid": ENGINE_PID,
+                "name": "blocks",
+                "ts": t,
+                "args": {
+                    "held": len(blocks["ref_counts"]),
+                    "cached_free": len(blocks["cached_free"]),
+                    "free": blocks["num_free"] - len(blocks["cached_free"]),
+                },
+            }
+        )
         tracks.step(rec, t, dur)
     tracks.close(records[-1]["t"] + records[-1].get("duration", 0) if records else 0)
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "metadata": {"model": header["model"], "num_blocks": header["num_blocks"],
-                         "block_size": header["block_size"], "token_budget": header["token_budget"]}}
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "metadata": {
+            "model": header["model"],
+            "num_blocks": header["num_blocks"],
+            "block_size": header["block_size"],
+            "token_budget": header["token_budget"],
+        },
+    }
 
 
 def _us(seconds: float) -> int:
@@ -136,8 +174,16 @@ class _RequestTracks:
             args["end"] = t + dur
         for rid in [f["id"] for f in rec["finished"]] + rec["aborted"]:
             self._end(rid, t + dur)
-            self.events.append({"ph": "i", "pid": REQUESTS_PID, "tid": self.tid.get(rid, 0), "s": "t",
-                                "name": "aborted" if rid in rec["aborted"] else "finished", "ts": t + dur})
+            self.events.append(
+                {
+                    "ph": "i",
+                    "pid": REQUESTS_PID,
+                    "tid": self.tid.get(rid, 0),
+                    "s": "t",
+                    "name": "aborted" if rid in rec["aborted"] else "finished",
+                    "ts": t + dur,
+                }
+            )
 
     def close(self, t_seconds: float) -> None:
         for rid in list(self.open):
@@ -152,8 +198,17 @@ class _RequestTracks:
             return
         name, start, args = self.open.pop(rid)
         end = args.pop("end", ts) if name in ("prefill", "decode", "verify") else ts
-        self.events.append({"ph": "X", "pid": REQUESTS_PID, "tid": self.tid.get(rid, 0), "name": name,
-                            "ts": start, "dur": max(end - start, 0), "args": args})
+        self.events.append(
+            {
+                "ph": "X",
+                "pid": REQUESTS_PID,
+                "tid": self.tid.get(rid, 0),
+                "name": name,
+                "ts": start,
+                "dur": max(end - start, 0),
+                "args": args,
+            }
+        )
 
 
 def write_chrome_trace(trace_path: str | Path, out_path: str | Path) -> None:
@@ -174,8 +229,9 @@ class Arrival:
     priority: int = 0
 
 
-def trace_scenario(path: str | Path, arrivals: list[Arrival], model_dir: str | None = None,
-                   **engine_kwargs: Any) -> dict[str, str]:
+def trace_scenario(
+    path: str | Path, arrivals: list[Arrival], model_dir: str | None = None, **engine_kwargs: Any
+) -> dict[str, str]:
     """Run ``arrivals`` through a fresh engine (the default model unless ``model_dir``) with the
     step trace written to ``path``; returns each request's text by request id (``req-0``, ...
     in the order of ``arrivals``). The chapter demos' ``--trace`` is this, with their scenario."""
@@ -194,11 +250,16 @@ def trace_scenario(path: str | Path, arrivals: list[Arrival], model_dir: str | N
         while pending or engine.has_unfinished_requests():
             while pending and pending[0][1].step <= step:
                 i, a = pending.pop(0)
-                messages = ([{"role": "system", "content": a.system}] if a.system else []) + \
-                    [{"role": "user", "content": a.text}]
+                messages = ([{"role": "system", "content": a.system}] if a.system else []) + [
+                    {"role": "user", "content": a.text}
+                ]
                 prompt = str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-                engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=a.max_tokens),
-                                   request_id=f"req-{i}", priority=a.priority)
+                engine.add_request(
+                    prompt,
+                    SamplingParams(temperature=0.0, max_tokens=a.max_tokens),
+                    request_id=f"req-{i}",
+                    priority=a.priority,
+                )
             texts.update((o.request_id, o.text) for o in engine.step() if o.finished)
             step += 1
     finally:
@@ -212,8 +273,10 @@ def demo_trace(path: str | Path, arrivals: list[Arrival], **engine_kwargs: Any) 
     header, records = read_trace(path)
     summary = check_trace(path)
     prompts = {n["id"]: n["prompt_tokens"] for r in records for n in r["new"]}
-    print(f"wrote {path}: {summary.steps} engine steps of {header['model']}, {header['num_blocks']} KV blocks "
-          f"of {header['block_size']} tokens, budget {header['token_budget']} tokens/step; invariants hold")
+    print(
+        f"wrote {path}: {summary.steps} engine steps of {header['model']}, {header['num_blocks']} KV blocks "
+        f"of {header['block_size']} tokens, budget {header['token_budget']} tokens/step; invariants hold"
+    )
     for rid, text in sorted(texts.items(), key=lambda item: int(item[0].split("-")[1])):
         print(f"  {rid}: {prompts[rid]} prompt tokens -> {text[:60]!r}{'...' if len(text) > 60 else ''}")
     print(f"view it: python -m vllm_from_scratch.viz {path} -o {Path(path).with_suffix('.html')}")
@@ -224,13 +287,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m vllm_from_scratch.viz",
         description="Turn an engine step trace (EngineConfig.step_trace, --step-trace, or a chapter demo's "
-                    "--trace) into a self-contained HTML viewer, and optionally a Chrome/Perfetto trace.")
+        "--trace) into a self-contained HTML viewer, and optionally a Chrome/Perfetto trace.",
+    )
     parser.add_argument("trace", help="the step trace: JSON lines, header first (docs/step_trace.md)")
     parser.add_argument("-o", "--output", help="the HTML page to write (default: the trace's name with .html)")
-    parser.add_argument("--chrome-trace", metavar="OUT.json",
-                        help="also write Chrome's trace-event format (open it in ui.perfetto.dev)")
-    parser.add_argument("--check", action="store_true",
-                        help="also check the invariants (blocks, reference counts, lifecycles) on every step")
+    parser.add_argument(
+        "--chrome-trace", metavar="OUT.json", help="also write Chrome's trace-event format (open it in ui.perfetto.dev)"
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="also check the invariants (blocks, reference counts, lifecycles) on every step",
+    )
     args = parser.parse_args(argv)
     out = args.output or str(Path(args.trace).with_suffix(".html"))
     try:
@@ -241,10 +309,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.chrome_trace} (Chrome trace events: open it in ui.perfetto.dev)")
         if args.check:
             summary = check_trace(args.trace, require_end=False)
-            print(f"invariants hold on {summary.steps} steps, {len(summary.requests)} requests "
-                  f"({summary.preemptions} preemptions, {summary.evictions} evictions, "
-                  f"{summary.prefix_hit_tokens} prefix-hit tokens, "
-                  f"{summary.accepted}/{summary.drafts} drafts accepted)")
+            print(
+                f"invariants hold on {summary.steps} steps, {len(summary.requests)} requests "
+                f"({summary.preemptions} preemptions, {summary.evictions} evictions, "
+                f"{summary.prefix_hit_tokens} prefix-hit tokens, "
+                f"{summary.accepted}/{summary.drafts} drafts accepted)"
+            )
     except (TraceError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

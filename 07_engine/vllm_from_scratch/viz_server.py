@@ -65,24 +65,31 @@ class Redactor:
 
     def __call__(self, rec: Record) -> Record:
         lab = self.label
-        out: Record = {k: rec[k] for k in ("type", "schema", "step", "t", "duration", "budget", "loading", "blocks")
-               if k in rec}
+        out: Record = {
+            k: rec[k] for k in ("type", "schema", "step", "t", "duration", "budget", "loading", "blocks") if k in rec
+        }
         out["loading"] = [lab(r) for r in rec["loading"]]
         out["new"] = [{**n, "id": lab(n["id"])} for n in rec["new"]]
-        out["scheduled"] = [{k: v for k, v in s.items() if k != "sampled"} | {"id": lab(s["id"])}
-                            for s in rec.get("scheduled", [])]
+        out["scheduled"] = [
+            {k: v for k, v in s.items() if k != "sampled"} | {"id": lab(s["id"])} for s in rec.get("scheduled", [])
+        ]
         for key in ("admitted", "preempted", "aborted"):
             out[key] = [lab(r) for r in rec.get(key, [])]
         out["prefix_hits"] = {lab(r): n for r, n in rec.get("prefix_hits", {}).items()}
-        out["finished"] = [{"id": lab(f["id"]), "reason": f["reason"], "completion_tokens": f["completion_tokens"]}
-                           for f in rec.get("finished", [])]
+        out["finished"] = [
+            {"id": lab(f["id"]), "reason": f["reason"], "completion_tokens": f["completion_tokens"]}
+            for f in rec.get("finished", [])
+        ]
         out["waiting"] = [{**w, "id": lab(w["id"])} for w in rec["waiting"]]
         out["running"] = [{**r, "id": lab(r["id"])} for r in rec["running"]]
         out["requests"] = {lab(r): v for r, v in rec["requests"].items()}
         if "pool" in rec:
             pool = rec["pool"]
-            out["pool"] = {"loaded": {lab(r): n for r, n in pool["loaded"].items()},
-                           "published": {lab(r): n for r, n in pool["published"].items()}, "totals": pool["totals"]}
+            out["pool"] = {
+                "loaded": {lab(r): n for r, n in pool["loaded"].items()},
+                "published": {lab(r): n for r, n in pool["published"].items()},
+                "totals": pool["totals"],
+            }
         for rid in [f["id"] for f in rec.get("finished", [])] + rec.get("aborted", []):
             self._labels.pop(rid, None)  # the label dies with the request
         return out
@@ -159,5 +166,8 @@ def add_viz_routes(app: FastAPI, engine: LLMEngine) -> None:
 
     @app.get("/viz/events", include_in_schema=False)
     async def viz_events(request: Request) -> StreamingResponse:
-        return StreamingResponse(live.events(request), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            live.events(request),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )

@@ -37,8 +37,9 @@ RESULTS_HEADING_RE = re.compile(r"^(#{2,3})\s+(.*(result|measur|benchmark|number
 
 def chapters() -> list[str]:
     """Chapter directories that have a README, in book order."""
-    return sorted(p.name for p in ROOT.iterdir()
-                  if p.is_dir() and CHAPTER_RE.match(p.name) and (p / "README.md").is_file())
+    return sorted(
+        p.name for p in ROOT.iterdir() if p.is_dir() and CHAPTER_RE.match(p.name) and (p / "README.md").is_file()
+    )
 
 
 def chapter_title(chapter: str) -> str:
@@ -67,8 +68,7 @@ def _split_lines_outside_fences(text: str):
         yield line, in_code
 
 
-def rewrite_links(text: str, repo_path: str, site_path: str, pages: dict[str, str],
-                  assets: dict[str, str]) -> str:
+def rewrite_links(text: str, repo_path: str, site_path: str, pages: dict[str, str], assets: dict[str, str]) -> str:
     """Point the relative links of ``repo_path`` (published at ``site_path``) at site paths.
 
     Repository files linked that are neither pages nor docs are collected in ``assets``
@@ -90,7 +90,7 @@ def rewrite_links(text: str, repo_path: str, site_path: str, pages: dict[str, st
         if resolved in pages:
             new = pages[resolved]
         elif resolved.startswith("docs/") and (ROOT / resolved).exists():
-            new = resolved[len("docs/"):]
+            new = resolved[len("docs/") :]
         elif (ROOT / resolved).is_file():
             new = resolved
             assets[new] = resolved
@@ -115,7 +115,7 @@ def results_section(chapter: str) -> str | None:
         level = len(m.group(1))
         body = []
         in_code = False
-        for nxt in lines[i + 1:]:
+        for nxt in lines[i + 1 :]:
             if FENCE_RE.match(nxt.lstrip()):
                 in_code = not in_code
             if not in_code and re.match(rf"^#{{1,{level}}}\s", nxt):
@@ -149,8 +149,10 @@ def exercises_markdown() -> str:
             module, qualname = ex["target"].split(":")
             stub_file = ex["stub"].split(":")[0]
             tests = "<br>".join(f"`{t.split('::', 1)[1]}`" for t in ex["tests"])
-            rows.append(f"| {ex['id']} | `{qualname}` ({module}.py): {ex['title']} | "
-                        f"`exercises/{chapter}/{stub_file}` | {tests} |")
+            rows.append(
+                f"| {ex['id']} | `{qualname}` ({module}.py): {ex['title']} | "
+                f"`exercises/{chapter}/{stub_file}` | {tests} |"
+            )
         title = chapter_title(chapter) if (ROOT / chapter / "README.md").exists() else chapter
         link = f"[{title}]({chapter}/README.md)" if (ROOT / chapter / "README.md").exists() else title
         parts.append(f"### {link}\n\n" + "\n".join(rows) + "\n")
@@ -163,8 +165,10 @@ def chapter_sizes_markdown() -> str:
     Reading time: prose at 200 words a minute, modules at 20 lines a minute (code is read
     twice: once for the idea, once for the edge cases), tests at 60 lines a minute.
     """
-    rows = ["| chapter | README words | module lines | test lines | reading time |",
-            "| --- | ---: | ---: | ---: | ---: |"]
+    rows = [
+        "| chapter | README words | module lines | test lines | reading time |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for chapter in chapters():
         d = ROOT / chapter
         words = len((d / "README.md").read_text(encoding="utf-8").split())
@@ -172,8 +176,7 @@ def chapter_sizes_markdown() -> str:
         tests = sum(_code_lines(p) for p in py if p.name.startswith("test_"))
         code = sum(_code_lines(p) for p in py if not p.name.startswith("test_"))
         minutes = words / 200 + code / 20 + tests / 60
-        rows.append(f"| [{chapter}]({chapter}/README.md) | {words:,} | {code:,} | {tests:,} | "
-                    f"{_duration(minutes)} |")
+        rows.append(f"| [{chapter}]({chapter}/README.md) | {words:,} | {code:,} | {tests:,} | {_duration(minutes)} |")
     return "\n".join(rows) + "\n"
 
 
@@ -188,8 +191,12 @@ def _duration(minutes: float) -> str:
 
 def chapter_modules() -> dict[str, str]:
     """Flat module name -> chapter, for every module a chapter folder holds (tests excluded)."""
-    return {p.stem: c for c in chapters() for p in (ROOT / c).glob("*.py")
-            if not p.name.startswith("test_") and p.name not in ("demo.py", "conftest.py")}
+    return {
+        p.stem: c
+        for c in chapters()
+        for p in (ROOT / c).glob("*.py")
+        if not p.name.startswith("test_") and p.name not in ("demo.py", "conftest.py")
+    }
 
 
 def book_modules() -> dict[str, str]:
@@ -232,8 +239,10 @@ def engine_imports_markdown() -> str:
                     if a.name in owners and owners[a.name] != "07_engine":
                         used.setdefault(a.name, [])
         if used:
-            cells = "<br>".join(f"`{m}` ({owners[m][:2]}): {', '.join(f'`{n}`' for n in names) or 'module'}"
-                                for m, names in sorted(used.items(), key=lambda kv: owners[kv[0]]))
+            cells = "<br>".join(
+                f"`{m}` ({owners[m][:2]}): {', '.join(f'`{n}`' for n in names) or 'module'}"
+                for m, names in sorted(used.items(), key=lambda kv: owners[kv[0]])
+            )
             rows.append(f"| `{path.relative_to(package.parent).as_posix()}` | {cells} |")
     if len(rows) == 2:
         return "_The engine imports no chapter module yet._\n"
@@ -250,9 +259,11 @@ def figures_markdown() -> str:
         if not (ROOT / "docs" / fig["image"]).exists():
             continue
         where = f"[{fig['chapter']}]({fig['chapter']}/README.md)" if fig["chapter"] in chapters() else fig["chapter"]
-        parts.append(f"### {fig['title']}\n\n![{fig['title']}]({fig['image']})\n\n{fig['caption']}\n\n"
-                     f"Chapter {where}. Produced by `{fig['command']}` on {fig['machine']} "
-                     f"({fig['date'][:10]}); raw output in `docs/data/{fig['name']}.txt`.\n")
+        parts.append(
+            f"### {fig['title']}\n\n![{fig['title']}]({fig['image']})\n\n{fig['caption']}\n\n"
+            f"Chapter {where}. Produced by `{fig['command']}` on {fig['machine']} "
+            f"({fig['date'][:10]}); raw output in `docs/data/{fig['name']}.txt`.\n"
+        )
     return "\n".join(parts)
 
 

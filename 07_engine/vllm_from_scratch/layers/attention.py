@@ -70,7 +70,16 @@ class Attention(nn.Module):
         store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
         # Chapter 02's dispatcher: flash-attn (or its Triton kernels) on CUDA, the torch path on a CPU;
         # a batch of single tokens takes each backend's decode kernel.
-        o = paged_attention(q, self.k_cache, self.v_cache, md.cu_seqlens_q, md.seq_lens_k, md.block_tables,
-                            self.scale, max_seqlen_q=1 if md.is_decode else md.max_seqlen_q,
-                            backend=self.backend, max_seqlen_k=md.max_seqlen_k)
+        o = paged_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            md.cu_seqlens_q,
+            md.seq_lens_k,
+            md.block_tables,
+            self.scale,
+            max_seqlen_q=1 if md.is_decode else md.max_seqlen_q,
+            backend=self.backend,
+            max_seqlen_k=md.max_seqlen_k,
+        )
         return o.reshape(-1, self.num_heads * self.head_dim)

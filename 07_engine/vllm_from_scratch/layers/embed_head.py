@@ -29,8 +29,14 @@ class VocabParallelWeight(nn.Module):
     and the LM head share. Their ``forward``s differ in what they return, so neither subclasses
     the other."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: dist.ProcessGroup | None = None,
+    ):
         super().__init__()
         _check_tp(tp_rank, tp_size)
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
@@ -42,9 +48,9 @@ class VocabParallelWeight(nn.Module):
         set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        shard = loaded_weight[self.vocab_start_idx:self.vocab_end_idx]
+        shard = loaded_weight[self.vocab_start_idx : self.vocab_end_idx]
         param.data[: shard.size(0)].copy_(shard)
-        param.data[shard.size(0):].zero_()
+        param.data[shard.size(0) :].zero_()
 
 
 class VocabParallelEmbedding(VocabParallelWeight):

@@ -60,8 +60,16 @@ class LinearBase(PrepackableWeight, nn.Module):
 
     bias: nn.Parameter | None
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,
-                 tp_rank: int = 0, tp_size: int = 1, tp_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp_dim: int | None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: dist.ProcessGroup | None = None,
+    ):
         super().__init__()
         _check_tp(tp_rank, tp_size)
         self.input_size, self.output_size = input_size, output_size
@@ -123,8 +131,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         for size in self.output_sizes:
             divide(size, self.tp_size, "each of output_sizes")
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      loaded_shard_id: int | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int | None = None
+    ) -> None:
         # The shard id is optional only so that this still overrides ColumnParallelLinear's
         # two-argument loader; a fused weight cannot be loaded without naming its part.
         if loaded_shard_id is None:
@@ -142,8 +151,15 @@ class QKVParallelLinear(ColumnParallelLinear):
     replicates KV heads when ``tp_size`` exceeds them; left out here).
     """
 
-    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
-                 total_num_kv_heads: int | None = None, bias: bool = False, **tp: Unpack[TPArgs]):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = False,
+        **tp: Unpack[TPArgs],
+    ):
         total_num_kv_heads = total_num_kv_heads or total_num_heads
         tp_size = tp.get("tp_size", 1)
         self.head_size = head_size
@@ -152,8 +168,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
         super().__init__(hidden_size, output_size, bias, **tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      loaded_shard_id: str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: str | None = None
+    ) -> None:
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
         offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}

@@ -59,8 +59,11 @@ def can_pack(weight: torch.Tensor) -> bool:
     mkldnn = torch.ops.mkldnn
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
-            and hasattr(mkldnn, "_linear_pointwise")):
+    if not (
+        torch.backends.mkldnn.is_available()
+        and hasattr(mkldnn, "_reorder_linear_weight")
+        and hasattr(mkldnn, "_linear_pointwise")
+    ):
         return False
     return weight.dtype == torch.float32 or bool(mkldnn._is_mkldnn_bf16_supported())
 
@@ -105,15 +108,21 @@ def bf16_matmul_is_slow() -> bool:
         seconds = {}
         for dtype in (torch.bfloat16, torch.float32):
             xd, packed = x.to(dtype), pack_weight(w.to(dtype), 256)
-            seconds[dtype] = _cpu_seconds(functools.partial(torch.ops.mkldnn._linear_pointwise,
-                                                            xd, packed, None, "none", [], ""))
+            seconds[dtype] = _cpu_seconds(
+                functools.partial(torch.ops.mkldnn._linear_pointwise, xd, packed, None, "none", [], "")
+            )
     finally:
         torch.set_num_threads(threads)
     return 1.25 * seconds[torch.float32] < seconds[torch.bfloat16]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, packed_fp32: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+    packed_fp32: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the packed copy of ``weight`` when there is one, and
     from :data:`FLOAT32_MIN_ROWS` rows through its packed float32 copy when there is one."""
     if packed_fp32 is not None and x.numel() >= FLOAT32_MIN_ROWS * x.shape[-1] and x.device.type == "cpu":

@@ -73,8 +73,9 @@ class RotaryEmbedding(nn.Module):
 _ROPES: dict[tuple[int, int, float, str, str], RotaryEmbedding] = {}
 
 
-def get_rope(head_size: int, max_position: int, base: float,
-             rope_scaling: dict[str, Any] | None = None) -> RotaryEmbedding:
+def get_rope(
+    head_size: int, max_position: int, base: float, rope_scaling: dict[str, Any] | None = None
+) -> RotaryEmbedding:
     """The rotary embedding for these settings on the current default device, built once and
     shared by every layer that asks (vLLM's ``get_rope`` does the same): the default model's
     30 layers would otherwise hold 30 identical 4 MB caches."""

@@ -56,8 +56,12 @@ def register_model(architecture: str, cls: type[nn.Module] | str) -> None:
         module, _, name = cls.partition(":")
         if not (module and name):
             raise ValueError(f"cls must be a model class or a 'package.module:ClassName' string, got {cls!r}")
-    elif not (isinstance(cls, type) and issubclass(cls, nn.Module) and cls.forward is not nn.Module.forward
-              and callable(getattr(cls, "compute_logits", None))):
+    elif not (
+        isinstance(cls, type)
+        and issubclass(cls, nn.Module)
+        and cls.forward is not nn.Module.forward
+        and callable(getattr(cls, "compute_logits", None))
+    ):
         raise ValueError(f"cls must be an nn.Module subclass with forward() and compute_logits(), got {cls!r}")
     _MODELS[architecture] = cls
 
@@ -79,5 +83,7 @@ def get_model_class(config: PretrainedConfig) -> type[nn.Module]:
     for arch in architectures:
         if arch in _MODELS:
             return _resolve(_MODELS[arch])
-    raise ValueError(f"architectures {architectures} not supported; known: {supported_architectures()} "
-                     "(vllm_from_scratch.register_model adds one)")
+    raise ValueError(
+        f"architectures {architectures} not supported; known: {supported_architectures()} "
+        "(vllm_from_scratch.register_model adds one)"
+    )

@@ -36,21 +36,29 @@ def rope_settings(config: PretrainedConfig) -> tuple[float, dict[str, Any] | Non
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention: fused QKV, RoPE, paged attention, output projection."""
 
-    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group: ProcessGroup | None = None):
+    def __init__(
+        self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1, tp_group: ProcessGroup | None = None
+    ):
         super().__init__()
         tp = TPArgs(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         qkv_bias, o_bias = self.projection_biases(config)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=qkv_bias, **tp)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=qkv_bias,
+            **tp,
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
-                                        **tp)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias, **tp
+        )
         theta, scaling = rope_settings(config)
         self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, theta, scaling)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
     @staticmethod
     def projection_biases(config: PretrainedConfig) -> tuple[bool, bool]:
@@ -62,8 +70,9 @@ class LlamaAttention(nn.Module):
         """Hook for models that normalise q and k per head before RoPE (Qwen3)."""
         return q, k
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.qk_norm(q, k)
         q, k = self.rotary_emb(positions, q, k)
@@ -73,15 +82,17 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
 
-    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group: ProcessGroup | None = None):
+    def __init__(
+        self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1, tp_group: ProcessGroup | None = None
+    ):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
         tp = TPArgs(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
-                                                       **tp)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=bias, **tp
+        )
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, **tp)
         self.act_fn = SiluAndMul()
 
@@ -92,8 +103,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
 
-    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group: ProcessGroup | None = None):
+    def __init__(
+        self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1, tp_group: ProcessGroup | None = None
+    ):
         super().__init__()
         tp = TPArgs(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         self.self_attn = self.attention_cls(config, **tp)
@@ -101,8 +113,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
-                attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -116,16 +133,18 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     decoder_layer_cls = LlamaDecoderLayer
 
-    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group: ProcessGroup | None = None):
+    def __init__(
+        self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1, tp_group: ProcessGroup | None = None
+    ):
         super().__init__()
         tp = TPArgs(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **tp)
         self.layers = nn.ModuleList(self.decoder_layer_cls(config, **tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
@@ -147,8 +166,9 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group: ProcessGroup | None = None):
+    def __init__(
+        self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1, tp_group: ProcessGroup | None = None
+    ):
         super().__init__()
         tp = TPArgs(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         self.config = config
@@ -157,8 +177,9 @@ class LlamaForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

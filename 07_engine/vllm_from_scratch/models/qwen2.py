@@ -38,8 +38,9 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     model_cls = Qwen2Model
 
-    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group: ProcessGroup | None = None):
+    def __init__(
+        self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1, tp_group: ProcessGroup | None = None
+    ):
         if "sliding_attention" in (getattr(config, "layer_types", None) or []):
             raise ValueError("Qwen2 sliding-window attention (use_sliding_window=True) is not supported")
         super().__init__(config, tp_rank, tp_size, tp_group)

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group: ProcessGroup | None = None):
+    def __init__(
+        self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1, tp_group: ProcessGroup | None = None
+    ):
         super().__init__(config, tp_rank, tp_size, tp_group)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
