@@ -25,6 +25,7 @@ import torch
 from block_manager import BlockManager, cdiv
 from kv_cache import bytes_per_block, num_blocks_for_budget
 from sequence import Sequence
+from vllm_from_scratch.viz import add_trace_argument
 
 # SmolLM2-135M-Instruct, the book's default model.
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 30, 3, 64, torch.bfloat16
@@ -143,11 +144,7 @@ def main() -> None:
     parser.add_argument("--budget-gib", type=float, default=2.0, help="KV budget for the 'fit' column")
     parser.add_argument("--seed", type=int, default=0, help="seed of the length sampler")
     parser.add_argument("--plot", metavar="PNG", help="save a matplotlib figure here")
-    parser.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)",
-    )
+    add_trace_argument(parser)
     args = parser.parse_args()
     if args.trace:
         trace(args.trace)

@@ -139,7 +139,8 @@ def time_it(fn, repeats):
 def show_timing(args, g):
     hq, hkv, d, bs = 9, 3, 64, 16  # SmolLM2-135M's attention shape, the engine's default block size
     print(
-        f"\nDecode timing, torch, float32, torch threads {torch.get_num_threads()}, {hq} q / {hkv} kv heads, head_dim {d}, "
+        f"\nDecode timing, torch, float32, torch threads {torch.get_num_threads()}, "
+        f"{hq} q / {hkv} kv heads, head_dim {d}, "
         f"block_size {bs}, contexts uniform in [{args.context_len // 2}, {args.context_len}] "
         f"(median of {args.repeats}):"
     )

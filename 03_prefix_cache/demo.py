@@ -25,6 +25,8 @@ import warnings
 
 import torch
 
+from vllm_from_scratch.viz import add_trace_argument
+
 
 def workload(num_requests: int, system_len: int, seed: int = 0) -> list[list[int]]:
     from kv_pool_peer import prompt_tokens
@@ -152,11 +154,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=128, help="KV blocks per engine")
     ap.add_argument("--embedded", action="store_true", help="use the in-process pool even if Mooncake works")
-    ap.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)",
-    )
+    add_trace_argument(ap)
     args = ap.parse_args()
     if args.trace:
         trace(args.trace)

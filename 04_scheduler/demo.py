@@ -20,6 +20,7 @@ from block_manager import BlockManager, cdiv
 from prefill_first import PrefillFirstScheduler
 from scheduler import Request, Scheduler
 from scheduler_testing import FakeModel, true_completion
+from vllm_from_scratch.viz import add_trace_argument
 
 VOCAB = 50
 
@@ -51,11 +52,7 @@ def main(argv=None) -> None:
     p.add_argument("--num-blocks", type=int, default=7, help="KV blocks of 4 tokens")
     p.add_argument("--max-num-batched-tokens", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=3)
-    p.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)",
-    )
+    add_trace_argument(p)
     args = p.parse_args(argv)
     if args.trace:
         trace(args.trace)

@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
 from bench_spec_decode import WORKLOADS, chat_prompt_ids, timed_generate  # noqa: E402
 from rejection_sampler_triton import rejection_sample_triton  # noqa: E402
 from spec_decode import num_accepted_tokens, rejection_sample, sample_rejection_noise, speculative_generate  # noqa: E402
+from vllm_from_scratch.viz import add_trace_argument  # noqa: E402
 
 
 def toy_sampler(num_rows: int, seed: int) -> None:
@@ -132,11 +133,7 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, default=8, help="new tokens for the draft-model part")
     parser.add_argument("--toy-only", action="store_true", help="skip the real-model parts")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)",
-    )
+    add_trace_argument(parser)
     args = parser.parse_args()
     if args.trace:
         trace(args.trace)

@@ -21,6 +21,7 @@ import torch
 from chunked_prefill import ChunkedPrefillScheduler, SchedulerInfo
 from chunked_toy_model import ToyRunner, ToyTransformer
 from scheduler import Request, Scheduler
+from vllm_from_scratch.viz import add_trace_argument
 
 BS = 4
 
@@ -82,11 +83,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget", type=int, default=8, help="max_num_batched_tokens of the chunked scheduler")
     p.add_argument("--threshold", type=int, default=0, help="long_prefill_token_threshold (0: none)")
-    p.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="instead: run this chapter's scenario through the real engine on the default model and write its step trace (docs/step_trace.md)",
-    )
+    add_trace_argument(p)
     args = p.parse_args(argv)
     if args.trace:
         trace(args.trace)

@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['pool'].get('kv_pool_loaded_bytes', 0) / 2**20:.1f} MiB |"
         )
     print(
-        f"greedy tokens identical in {num_same} of {args.requests} requests; A published {producer['pool'].get('kv_pool_saved_blocks', 0)} blocks "
+        f"greedy tokens identical in {num_same} of {args.requests} requests; "
+        f"A published {producer['pool'].get('kv_pool_saved_blocks', 0)} blocks "
         f"(its process: {producer_s:.1f} s with start-up)"
     )
     pool = consumer["pool"]

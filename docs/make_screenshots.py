@@ -7,7 +7,7 @@ the chapter's README:
 
 | chapter | the step shown | file |
 | --- | --- | --- |
-| 01 | the first step where the third request holds blocks: three block tables, none contiguous | ``01_paged_kv/viz_block_tables.png`` |
+| 01 | the first step where a third request holds blocks | ``01_paged_kv/viz_block_tables.png`` |
 | 03 | the step with the most requests sharing the system prompt's blocks | ``03_prefix_cache/viz_shared_prefix.png`` |
 | 04 | the first preemption | ``04_scheduler/viz_preemption.png`` |
 | 05 | the verify step that accepted the most drafts | ``05_spec_decode/viz_accepted_drafts.png`` |

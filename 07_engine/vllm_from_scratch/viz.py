@@ -282,6 +282,16 @@ def demo_trace(path: str | Path, arrivals: list[Arrival], **engine_kwargs: Any) 
     print(f"view it: python -m vllm_from_scratch.viz {path} -o {Path(path).with_suffix('.html')}")
 
 
+def add_trace_argument(parser: argparse.ArgumentParser) -> None:
+    """A chapter demo's ``--trace PATH``, which :func:`demo_trace` then runs."""
+    parser.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="instead: run this chapter's scenario through the real engine on the default model "
+        "and write its step trace (docs/step_trace.md)",
+    )
+
+
 # ---------------------------------------------------------------------------- the command line
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
