@@ -153,7 +153,7 @@ def prefill_decode(model: str, args, master, tmp: Path) -> dict:
         ServerProcess(serve_args(model, args, {**pool, "kv_role": "kv_consumer"}), env=one_core) as decode,
         ServerProcess(
             [
-                "vllm_from_scratch.disagg_proxy",
+                "disagg_proxy",
                 "--prefill",
                 prefill.url,
                 "--decode",

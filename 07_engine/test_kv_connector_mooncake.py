@@ -113,7 +113,7 @@ def test_disaggregated_prefill_and_decode_through_the_proxy(store):
         ServerProcess(base + [json.dumps(pool_config(store, "kv_consumer"))]) as decode,
         ServerProcess(
             [
-                "vllm_from_scratch.disagg_proxy",
+                "disagg_proxy",
                 "--prefill",
                 prefill.url,
                 "--decode",
