@@ -1,13 +1,9 @@
 """The OpenAI endpoints' logic: a request body in, engine requests out, a response back.
 
-Validation is the engine's: the body is turned into token ids and a :class:`SamplingParams`,
-and whatever the engine refuses comes back as a :class:`ParameterError` naming the argument,
-which becomes a 400 whose ``param`` is that name (``messages`` for a chat prompt).
-
-Everything whose cost grows with the body (the sampling parameters' checks, the chat template,
-tokenization, the engine's prompt checks) runs in a worker thread, never on the event loop that
-streams the other clients' tokens, and a prompt far over the context is refused there, before
-the engine thread ever walks its token ids.
+The engine validates: the body becomes token ids and a :class:`SamplingParams`, and what the
+engine refuses comes back as a :class:`ParameterError`, a 400 whose ``param`` names the field.
+All work that grows with the body (sampling checks, chat template, tokenization, prompt checks)
+runs in worker threads, never on the event loop that streams the other clients' tokens.
 """
 
 from __future__ import annotations
@@ -15,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,8 +30,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 OpenAIRequest: TypeAlias = CompletionRequest | ChatCompletionRequest
-BodyT = TypeVar("BodyT", bound=OpenAIRequest)
-T = TypeVar("T")
 # Request bodies prepared at once. Two: one long body does not hold up every other client's
 # request, and the bodies being tokenized together (each up to the size limit) stay few.
 PREPARE_WORKERS = 2
@@ -70,10 +64,10 @@ def api_error(exc: ValueError, field_names: dict[str, str]) -> APIError:
 class OpenAIServing:
     """``/v1/completions`` and ``/v1/chat/completions`` over an :class:`AsyncLLM`.
 
-    ``tokenizer`` is the server's own instance: it is used from worker threads, while the
-    engine thread uses the engine's. ``vocab_size`` and ``max_model_len`` are the engine's, for
-    its prompt checks. Bodies are prepared in a pool of :data:`PREPARE_WORKERS` threads at the
-    lowest CPU priority (:func:`lowest_cpu_priority`): the requests already running come first.
+    ``tokenizer`` is the server's own instance, used from worker threads while the engine
+    thread uses the engine's. ``vocab_size`` and ``max_model_len`` are the engine's, for its
+    prompt checks. Bodies are prepared in :data:`PREPARE_WORKERS` threads at the lowest CPU
+    priority (:func:`lowest_cpu_priority`): the requests already running come first.
     """
 
     def __init__(
@@ -103,21 +97,16 @@ class OpenAIServing:
                 f"The model `{model}` does not exist.", status_code=404, param="model", code="model_not_found"
             )
 
-    # ---- the worker thread's part: body in, SamplingParams and checked token ids out --------
-
-    async def in_worker(self, prepare: Callable[[BodyT], T], body: BodyT) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, prepare, body)
-
-    def prepare_completion(self, body: CompletionRequest) -> tuple[SamplingParams, list[list[int]]]:
-        return sampling_params(body), [self.encode(p, body) for p in body.prompts()]
-
-    def prepare_chat(self, body: ChatCompletionRequest) -> tuple[SamplingParams, list[int]]:
-        return sampling_params(body), self.encode(self.render_chat(body.conversation()), body)
-
-    def encode(self, prompt: str | list[int], body: OpenAIRequest) -> list[int]:
-        """Token ids of ``prompt``, checked by the engine's own :func:`engine.encode_prompt`."""
+    def prepare(self, body: OpenAIRequest) -> tuple[SamplingParams, list[list[int]]]:
+        """The body's ``SamplingParams`` and its prompts' token ids, both checked by the engine's
+        own code (:func:`engine.encode_prompt`); run in a worker thread."""
         try:
-            return encode_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
+            params = SamplingParams(**body.sampling_kwargs())
+            if isinstance(body, ChatCompletionRequest):
+                prompts: list[str | list[int]] = [self.render_chat(body.conversation())]
+            else:
+                prompts = body.prompts()
+            return params, [encode_prompt(self.tokenizer, p, self.vocab_size, self.max_model_len) for p in prompts]
         except ValueError as exc:
             raise api_error(exc, body.field_names) from exc
 
@@ -153,115 +142,73 @@ class OpenAIServing:
             raise
         return streams
 
-    # ---- /v1/completions ------------------------------------------------------------------
-
     async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
-        self.check_model(body.model)
-        body.check_supported()
-        params, prompts = await self.in_worker(self.prepare_completion, body)
-        request_id = random_id("cmpl")
-        streams = await self.start(request_id, prompts, params, body)
-        choices = [Choice(prompt_tokens=len(ids)) for ids in prompts]
-        header = {"id": request_id, "object": "text_completion", "created": now(), "model": self.served_model_name}
-        if body.stream:
-            return StreamingResponse(
-                self._completion_events(streams, choices, header, body), media_type="text/event-stream"
-            )
-        await collect_or_abort(raw, streams, lambda i, out: choices[i].update(out))
-        return JSONResponse(
-            {
-                **header,
-                "choices": [
-                    {"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-                    for i, c in enumerate(choices)
-                ],
-                "usage": total_usage(choices),
-            }
-        )
-
-    async def _completion_events(
-        self, streams: list[RequestStream], choices: list[Choice], header: dict[str, Any], body: CompletionRequest
-    ) -> AsyncIterator[str]:
-        def chunk(i: int, text: str, finish_reason: str | None) -> str:
-            return sse(
-                {**header, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
-            )
-
-        async for event in stream_events(streams, lambda i, out: choices[i].update(out), chunk):
-            yield event
-        if body.include_usage:
-            yield sse({**header, "choices": [], "usage": total_usage(choices)})
-        yield SSE_DONE
-
-    # ---- /v1/chat/completions -------------------------------------------------------------
+        """``POST /v1/completions``: one choice per prompt."""
+        return await self.create(body, raw)
 
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        """``POST /v1/chat/completions``: one choice, a ``message`` (``delta`` chunks when streamed)."""
+        return await self.create(body, raw)
+
+    async def create(self, body: OpenAIRequest, raw: Request) -> Response:
+        """Either endpoint: the two differ only in ids, object names and the body of a choice."""
         self.check_model(body.model)
         body.check_supported()
-        params, ids = await self.in_worker(self.prepare_chat, body)
-        request_id = random_id("chatcmpl")
-        streams = await self.start(request_id, [ids], params, body)
-        choices = [Choice(prompt_tokens=len(ids))]
-        header = {"id": request_id, "object": "chat.completion", "created": now(), "model": self.served_model_name}
+        params, prompts = await asyncio.get_running_loop().run_in_executor(self.executor, self.prepare, body)
+        chat = isinstance(body, ChatCompletionRequest)
+        request_id = random_id("chatcmpl" if chat else "cmpl")
+        streams = await self.start(request_id, prompts, params, body)
+        choices = [Choice(prompt_tokens=len(ids)) for ids in prompts]
+        kind = ("chat.completion.chunk" if body.stream else "chat.completion") if chat else "text_completion"
+        header = {"id": request_id, "object": kind, "created": now(), "model": self.served_model_name}
         if body.stream:
-            header["object"] = "chat.completion.chunk"
-            return StreamingResponse(self._chat_events(streams, choices, header, body), media_type="text/event-stream")
+            return StreamingResponse(self._events(streams, choices, header, body), media_type="text/event-stream")
         await collect_or_abort(raw, streams, lambda i, out: choices[i].update(out))
-        return JSONResponse(
-            {
-                **header,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": choices[0].text},
-                        "logprobs": None,
-                        "finish_reason": choices[0].finish_reason,
-                    }
-                ],
-                "usage": total_usage(choices),
-            }
-        )
 
-    async def _chat_events(
-        self, streams: list[RequestStream], choices: list[Choice], header: dict[str, Any], body: ChatCompletionRequest
+        def content(c: Choice) -> dict[str, Any]:
+            return {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text}
+
+        results = [choice(i, c.finish_reason, content(c)) for i, c in enumerate(choices)]
+        return JSONResponse({**header, "choices": results, "usage": total_usage(choices)})
+
+    async def _events(
+        self, streams: list[RequestStream], choices: list[Choice], header: dict[str, Any], body: OpenAIRequest
     ) -> AsyncIterator[str]:
+        chat = isinstance(body, ChatCompletionRequest)
+
         def chunk(i: int, text: str | None, finish_reason: str | None, role: bool = False) -> str:
+            if not chat:
+                return sse({**header, "choices": [choice(i, finish_reason, {"text": text})]})
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            return sse(
-                {**header, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-            )
+            return sse({**header, "choices": [choice(i, finish_reason, {"delta": delta})]})
 
-        # OpenAI's first chunk announces the role; content follows in later deltas.
-        yield chunk(0, None, None, role=True)
+        if chat:  # OpenAI's first chat chunk announces the role; content follows in later deltas.
+            yield chunk(0, None, None, role=True)
         async for event in stream_events(streams, lambda i, out: choices[i].update(out), chunk):
             yield event
         if body.include_usage:
             yield sse({**header, "choices": [], "usage": total_usage(choices)})
         yield SSE_DONE
+
+
+def choice(index: int, finish_reason: str | None, content: dict[str, Any]) -> dict[str, Any]:
+    """One entry of ``choices``: ``content`` is ``{"text": ...}``, ``{"message": ...}`` or ``{"delta": ...}``."""
+    return {"index": index, **content, "logprobs": None, "finish_reason": finish_reason}
 
 
 def lowest_cpu_priority() -> None:
     """Give the calling thread the lowest CPU priority (nice 19; on Linux niceness is per thread).
 
-    Tokenizing a body near the size limit is most of a CPU-second of Rust that does not hold
-    the GIL, so a thread keeps the event loop free but still takes a core from the engine's
-    forward pass: on 2 cores three such bodies slowed a running stream to a token every 0.6 s.
-    At nice 19 the kernel runs them on whatever the engine leaves.
+    Tokenizing a body near the size limit is most of a CPU-second of Rust that does not hold the
+    GIL: a thread keeps the event loop free but still takes a core from the engine's forward
+    pass (on 2 cores, three such bodies slowed a running stream to a token every 0.6 s).
     """
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
         pass  # not Linux, or refused: the work runs at normal priority
-
-
-def sampling_params(body: OpenAIRequest) -> SamplingParams:
-    """The body's ``SamplingParams``; the engine's refusal as a 400 naming the body's field."""
-    try:
-        return SamplingParams(**body.sampling_kwargs())
-    except ValueError as exc:
-        raise api_error(exc, body.field_names) from exc
 
 
 def total_usage(choices: list[Choice]) -> dict[str, Any]:
