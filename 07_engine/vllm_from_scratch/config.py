@@ -21,6 +21,15 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 SPEC_METHODS = ("ngram", "draft_model")
 
 
+def _check_keys(name: str, config: object, cls: type) -> None:
+    """``config`` must be a dict whose keys are fields of the dataclass ``cls``."""
+    if not isinstance(config, dict):
+        raise ParameterError(name, f"must be a dict or None, got {config!r}")
+    unknown = sorted(set(config) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ParameterError(name, f"has unknown keys {unknown}")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``speculative_config``, checked once, with vLLM's keys.
@@ -39,11 +48,7 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, config: dict) -> SpeculativeConfig:
         """Parse a user's dict; :class:`ParameterError` naming the key that is wrong."""
-        if not isinstance(config, dict):
-            raise ParameterError("speculative_config", f"must be a dict or None, got {config!r}")
-        unknown = sorted(set(config) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ParameterError("speculative_config", f"has unknown keys {unknown}")
+        _check_keys("speculative_config", config, cls)
         if config.get("method") not in SPEC_METHODS:
             raise ParameterError(
                 "speculative_config['method']", f"must be one of {SPEC_METHODS}, got {config.get('method')!r}"
@@ -85,11 +90,7 @@ class KVTransferConfig:
     @classmethod
     def from_dict(cls, config: dict) -> KVTransferConfig:
         """Parse a user's dict; :class:`ParameterError` naming the key that is wrong."""
-        if not isinstance(config, dict):
-            raise ParameterError("kv_transfer_config", f"must be a dict or None, got {config!r}")
-        unknown = sorted(set(config) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ParameterError("kv_transfer_config", f"has unknown keys {unknown}")
+        _check_keys("kv_transfer_config", config, cls)
         if "kv_connector" not in config:
             raise ParameterError("kv_transfer_config['kv_connector']", f"is required: one of {KV_CONNECTORS}")
         parsed = cls(**config)

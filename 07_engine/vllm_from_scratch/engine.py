@@ -202,14 +202,13 @@ def _load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase | None:
 class LLMEngine:
     """The engine behind ``LLM`` and the OpenAI server.
 
-    Takes ``LLM``'s arguments (see :class:`vllm_from_scratch.config.EngineConfig`). Attributes
-    the server uses: ``tokenizer`` (Hugging Face, or None for a checkpoint without one),
-    ``model_config`` (the transformers config) and ``max_model_len``.
+    Takes ``LLM``'s arguments (:class:`vllm_from_scratch.config.EngineConfig`). Besides its
+    methods the server reads ``tokenizer`` (Hugging Face's, or None for a checkpoint without
+    one), ``max_model_len`` and ``config``.
     """
 
     def __init__(self, model_dir: str, **kwargs: Any):
         self.config = EngineConfig(model_dir=str(model_dir), **kwargs)
-        self.model_config = self.config.hf_config
         self.max_model_len = self.config.max_model_len
         self.tokenizer = _load_tokenizer(self.config.model_dir)
         self.eos_token_ids = self._eos_token_ids()
@@ -231,7 +230,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ construction
     def _eos_token_ids(self) -> list[int]:
-        eos = getattr(self.model_config, "eos_token_id", None)
+        eos = getattr(self.config.hf_config, "eos_token_id", None)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = eos if eos is not None else self.tokenizer.eos_token_id
         if eos is None:
@@ -280,10 +279,6 @@ class LLMEngine:
         return DraftProposer(self.config, num_blocks)
 
     # ------------------------------------------------------------------ requests
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of ``prompt``, checked (see :func:`encode_prompt`)."""
-        return encode_prompt(self.tokenizer, prompt, self.config.vocab_size, self.max_model_len)
-
     def make_request(
         self,
         prompt: str | list[int],
@@ -305,7 +300,7 @@ class LLMEngine:
             raise ParameterError("params", f"must be a SamplingParams, got {type(params).__name__}")
         params.validate()
         check_int("priority", priority, -(2**63))
-        token_ids = self.encode_prompt(prompt)
+        token_ids = encode_prompt(self.tokenizer, prompt, self.config.vocab_size, self.max_model_len)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self.requests:

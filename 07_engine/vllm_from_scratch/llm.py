@@ -13,21 +13,10 @@ from vllm_from_scratch.sampling_params import SamplingParams
 class LLM:
     """Load a model and generate for many prompts at once.
 
-    Args:
-        model_dir: a Hugging Face checkpoint directory (config.json + safetensors [+ tokenizer]).
-        device: "auto" (CUDA if available, else CPU), "cpu" or "cuda[:N]".
-        tensor_parallel_size: ranks to split the model over (gloo on CPU, NCCL on GPU).
-        enforce_eager: never use CUDA graphs.
-        max_num_seqs / max_num_batched_tokens: the scheduler's per-step request and token caps.
-        max_model_len: longest prompt + output; longer prompts are refused.
-        kvcache_block_size / num_kvcache_blocks: paging; ``None`` blocks = size from memory.
-        enable_prefix_caching / enable_chunked_prefill: chapters 03 and 06.
-        long_prefill_token_threshold: most tokens of one prompt per step (chapter 06).
-        scheduling_policy: "fcfs" or "priority" (chapter 04; see ``generate``'s ``priority``).
-        dtype: None (the checkpoint's), "float32", "bfloat16" or "float16".
-        attention_backend: "auto" (by device), "torch", "cpp", "triton" or "flash" (chapter 02).
-        speculative_config: ``{"method": "ngram", "num_speculative_tokens": k}`` or
-            ``{"method": "draft_model", "model": dir, "num_speculative_tokens": k}`` (chapter 05).
+    ``model_dir`` is a Hugging Face checkpoint directory (config.json, safetensors, and a tokenizer
+    for text prompts); every other keyword is a field of
+    :class:`~vllm_from_scratch.config.EngineConfig`, which documents each one with its default
+    (``python -m vllm_from_scratch.serve --help`` prints the same list).
 
     Example::
 
