@@ -1,18 +1,9 @@
 """Prometheus metrics with vLLM's names, so dashboards written for ``vllm serve`` work unchanged.
 
-Two kinds of numbers, two mechanisms:
-
-* the engine's state (running / waiting requests, KV usage) and its cumulative counters
-  (prefix-cache queries and hits, prompt and generation tokens, preemptions, and the global
-  KV pool's queries, hits, bytes and failures when there is one) live inside the engine; a
-  custom collector reads the latest ``get_stats()`` snapshot at scrape time, so the server
-  never keeps a second copy that could drift;
-* per-request latencies (time to first token, inter-token latency, end-to-end latency) are only
-  visible to the server, which observes them into histograms as outputs leave the engine loop.
-
-Every metric carries the ``model_name`` label, as vLLM's do. The registry is per server
-(``CollectorRegistry``), never the process-global one, so two servers in one process (tests)
-do not collide.
+The engine's state and cumulative counters are read from its latest ``get_stats()`` snapshot at
+scrape time (no second copy to drift); per-request latencies are only visible to the server,
+which observes them into histograms. Every metric carries vLLM's ``model_name`` label. The
+registry is per server, not the process-global one, so two servers in one process do not collide.
 """
 
 from __future__ import annotations
@@ -26,74 +17,14 @@ from prometheus_client.registry import Collector
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms line up with its dashboards.
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-E2E_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
+# fmt: off
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+# fmt: on
 
 # (vLLM name, get_stats() key, help). Gauges are read as they are; counters get "_total".
 GAUGES = (
@@ -154,28 +85,14 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(get_stats, model_name))
-        labels = ["model_name"]
-        self.time_to_first_token = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            labels,
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.inter_token_latency = Histogram(
-            "vllm:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            labels,
-            buckets=ITL_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.e2e_request_latency = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-            labels,
-            buckets=E2E_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
+
+        def histogram(name: str, what: str, buckets: tuple[float, ...]) -> Histogram:
+            doc = f"Histogram of {what} in seconds."
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "time to first token", TTFT_BUCKETS)
+        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds", "inter-token latency", ITL_BUCKETS)
+        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds", "e2e request latency", E2E_BUCKETS)
         self._request_success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
