@@ -1,9 +1,8 @@
 """The model registry: ``architectures[0]`` of a checkpoint's config.json names the class.
 
-The built-in families (Llama, Qwen2, Qwen3) sit in ``_MODELS`` as ``"module:Class"`` strings,
-imported only when a checkpoint asks for them. Code outside this package adds its own with
-:func:`register_model`, as vLLM's ``ModelRegistry.register_model`` does; a built-in could have
-been registered that way too, but a string in the table costs no import until it is used.
+The built-in families sit in ``_MODELS`` as ``"module:Class"`` strings, imported only when a
+checkpoint asks for them; other code adds its own with :func:`register_model`, as vLLM's
+``ModelRegistry.register_model`` does.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from vllm_from_scratch.layers.rotary_embedding import get_rope
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from transformers import PretrainedConfig
+    from typing_extensions import Unpack
 
 
 def rope_settings(config: PretrainedConfig) -> tuple[float, dict[str, Any] | None]:
@@ -36,11 +37,8 @@ def rope_settings(config: PretrainedConfig) -> tuple[float, dict[str, Any] | Non
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention: fused QKV, RoPE, paged attention, output projection."""
 
-    def __init__(
-        self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1, tp_group: ProcessGroup | None = None
-    ):
+    def __init__(self, config: PretrainedConfig, **tp: Unpack[TPArgs]):
         super().__init__()
-        tp = TPArgs(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         qkv_bias, o_bias = self.projection_biases(config)
         self.qkv_proj = QKVParallelLinear(
@@ -82,13 +80,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
 
-    def __init__(
-        self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1, tp_group: ProcessGroup | None = None
-    ):
+    def __init__(self, config: PretrainedConfig, **tp: Unpack[TPArgs]):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
-        tp = TPArgs(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=bias, **tp
@@ -101,14 +96,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    attention_cls = LlamaAttention
-
     def __init__(
-        self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1, tp_group: ProcessGroup | None = None
+        self, config: PretrainedConfig, attention_cls: type[LlamaAttention] = LlamaAttention, **tp: Unpack[TPArgs]
     ):
         super().__init__()
-        tp = TPArgs(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
-        self.self_attn = self.attention_cls(config, **tp)
+        self.self_attn = attention_cls(config, **tp)
         self.mlp = LlamaMLP(config, **tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -131,15 +123,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    decoder_layer_cls = LlamaDecoderLayer
-
     def __init__(
-        self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1, tp_group: ProcessGroup | None = None
+        self, config: PretrainedConfig, attention_cls: type[LlamaAttention] = LlamaAttention, **tp: Unpack[TPArgs]
     ):
         super().__init__()
-        tp = TPArgs(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **tp)
-        self.layers = nn.ModuleList(self.decoder_layer_cls(config, **tp) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attention_cls, **tp) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -155,9 +146,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama decoder plus LM head. ``forward`` returns hidden states; ``compute_logits`` is
     called only on the rows that sample (the last token of each request), not on every token.
+    A variant whose layers differ only in attention (Qwen2, Qwen3) sets ``attention_cls``.
     """
 
-    model_cls = LlamaModel
+    attention_cls: type[LlamaAttention] = LlamaAttention
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -172,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         tp = TPArgs(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         self.config = config
-        self.model = self.model_cls(config, **tp)
+        self.model = LlamaModel(config, self.attention_cls, **tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, **tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,14 +1,10 @@
-"""Qwen2 (Qwen2, Qwen2.5): Llama's layout with a bias on the q, k and v projections, none on o.
-
-It is registered in the built-in table of ``models/__init__.py``, like Llama and Qwen3; a model
-kept outside this package would call ``vllm_from_scratch.register_model`` instead.
-"""
+"""Qwen2 (Qwen2, Qwen2.5): Llama's layout with a bias on the q, k and v projections, none on o."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm_from_scratch.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from vllm_from_scratch.models.llama import LlamaAttention, LlamaForCausalLM
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -24,19 +20,11 @@ class Qwen2Attention(LlamaAttention):
         return True, False
 
 
-class Qwen2DecoderLayer(LlamaDecoderLayer):
-    attention_cls = Qwen2Attention
-
-
-class Qwen2Model(LlamaModel):
-    decoder_layer_cls = Qwen2DecoderLayer
-
-
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2 decoder plus LM head; every layer attends to its whole context (sliding windows,
     ``use_sliding_window=True``, are not supported and rejected)."""
 
-    model_cls = Qwen2Model
+    attention_cls = Qwen2Attention
 
     def __init__(
         self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1, tp_group: ProcessGroup | None = None

@@ -7,18 +7,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_from_scratch.layers.layernorm import RMSNorm
-from vllm_from_scratch.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from vllm_from_scratch.layers.linear import TPArgs
+from vllm_from_scratch.models.llama import LlamaAttention, LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
     from transformers import PretrainedConfig
+    from typing_extensions import Unpack
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(
-        self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1, tp_group: ProcessGroup | None = None
-    ):
-        super().__init__(config, tp_rank, tp_size, tp_group)
+    def __init__(self, config: PretrainedConfig, **tp: Unpack[TPArgs]):
+        super().__init__(config, **tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -28,13 +27,5 @@ class Qwen3Attention(LlamaAttention):
         return q, k
 
 
-class Qwen3DecoderLayer(LlamaDecoderLayer):
-    attention_cls = Qwen3Attention
-
-
-class Qwen3Model(LlamaModel):
-    decoder_layer_cls = Qwen3DecoderLayer
-
-
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    model_cls = Qwen3Model
+    attention_cls = Qwen3Attention
