@@ -1,16 +1,11 @@
 """The attention layer: write this step's K/V into the paged cache, then attend over it.
 
-Both halves come from earlier chapters, by import:
-
-* chapter 01's ``store_kvcache`` scatters the new keys and values into their slots;
-* chapter 02's paged attention reads every cached token of each request through its block table
-  (a decode kernel when every request brings one token, the varlen kernel otherwise, for
-  prefills, prefill chunks and mixed batches). Its dispatcher picks flash-attn or the Triton
-  kernels for CUDA tensors and the torch path for CPU tensors.
-
-The batch description travels as an explicit :class:`AttentionMetadata` argument, built once per
-step by the model runner and handed down through ``model.forward``; nano-vllm's module-level
-``get_context()`` global is what this replaces.
+Both halves come from earlier chapters: chapter 01's ``store_kvcache`` scatters the new keys and
+values into their slots; chapter 02's ``paged_attention`` reads every cached token of each request
+through its block table, choosing flash-attn or Triton kernels for CUDA tensors and the torch path
+for CPU ones (a decode kernel when every request brings one token, the varlen kernel otherwise).
+The batch description arrives as an :class:`AttentionMetadata` argument built once per step by the
+model runner, not through a global as in nano-vllm.
 """
 
 from __future__ import annotations
@@ -68,8 +63,6 @@ class Attention(nn.Module):
         if self.k_cache.numel() == 0:
             raise RuntimeError("the KV cache is not allocated: ModelRunner.allocate_kv_cache() binds it")
         store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
-        # Chapter 02's dispatcher: flash-attn (or its Triton kernels) on CUDA, the torch path on a CPU;
-        # a batch of single tokens takes each backend's decode kernel.
         o = paged_attention(
             q,
             self.k_cache,

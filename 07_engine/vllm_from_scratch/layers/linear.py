@@ -56,7 +56,7 @@ def _check_tp(tp_rank: int, tp_size: int) -> None:
 
 
 class LinearBase(PrepackableWeight, nn.Module):
-    """A linear layer whose weight is split along ``tp_dim`` (0: output rows, 1: input columns)."""
+    """``y = x W^T + b`` with W split along ``tp_dim`` (0: output rows, 1: input columns, None: not split)."""
 
     bias: nn.Parameter | None
 
@@ -75,11 +75,11 @@ class LinearBase(PrepackableWeight, nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.tp_dim, self.tp_rank, self.tp_size, self.tp_group = tp_dim, tp_rank, tp_size, tp_group
 
-    def _make_params(self, out_features: int, in_features: int, bias: bool, bias_features: int) -> None:
+    def _make_params(self, out_features: int, in_features: int, bias: bool) -> None:
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
         if bias:
-            self.bias = nn.Parameter(torch.empty(bias_features), requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             set_weight_attrs(self.bias, {"weight_loader": self.weight_loader})
         else:
             self.register_parameter("bias", None)
@@ -87,19 +87,19 @@ class LinearBase(PrepackableWeight, nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
 
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight (small projections that are not worth splitting)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, **tp: Unpack[TPArgs]):
         super().__init__(input_size, output_size, bias, None, **tp)
-        self._make_params(output_size, input_size, bias, output_size)
+        self._make_params(output_size, input_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         param.data.copy_(loaded_weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -108,14 +108,11 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False, **tp: Unpack[TPArgs]):
         super().__init__(input_size, output_size, bias, 0, **tp)
         self.output_size_per_partition = divide(output_size, self.tp_size, "output_size")
-        self._make_params(self.output_size_per_partition, input_size, bias, self.output_size_per_partition)
+        self._make_params(self.output_size_per_partition, input_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         shard_size = param.data.size(0)
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard_size, shard_size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -174,8 +171,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
         offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
-        # The shard id is optional only so that this overrides ColumnParallelLinear's two-argument
-        # loader; None is refused here like any name that is not a part.
+        # Optional only to override ColumnParallelLinear's loader (as in MergedColumnParallelLinear).
         if loaded_shard_id not in offsets:
             raise ValueError(f"loaded_shard_id must be 'q', 'k' or 'v', got {loaded_shard_id!r}")
         shard_offset, shard_size = offsets[loaded_shard_id]
@@ -192,7 +188,7 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False, **tp: Unpack[TPArgs]):
         super().__init__(input_size, output_size, bias, 1, **tp)
         self.input_size_per_partition = divide(input_size, self.tp_size, "input_size")
-        self._make_params(output_size, self.input_size_per_partition, bias, output_size)
+        self._make_params(output_size, self.input_size_per_partition, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if param.dim() == 1:  # the bias is not split

@@ -1,39 +1,18 @@
 """Weights packed once for the CPU's matmul library: the same products, less work per step.
 
-Before a CPU GEMM multiplies, the library reorders ("packs") the weight matrix into the tiled layout
-its inner kernels stream through. ``F.linear`` repacks on every call, and at decode sizes that
-copy is a large share of the call: an engine multiplies by the same weights every step, so it
-packs them once after loading. Measured on the book's 2-core CPU (AVX-512 BF16, no AMX):
+Before a CPU GEMM multiplies, oneDNN reorders ("packs") the weight into the tiled layout its
+kernels stream through. ``F.linear`` repacks on every call, a large share of a decode-sized call
+(``[1 x 576] @ [576 x 3072]`` in bf16: 117 µs, 56 µs packed), so the engine packs once after
+loading. bfloat16 results are bit-identical to ``F.linear``; float32 ones (``F.linear`` calls MKL
+there) differ in summation order only. The ops are the private ones ``torch.compile``'s CPU
+weight freezing emits, so :func:`pack_weight` returns ``None`` wherever they are missing or do
+not apply (a GPU, float16, no bf16 support in oneDNN) and the layers keep calling ``F.linear``.
 
-=============================  ==========  =========  ==========  =========
-``[M x 576] @ [576 x 3072]``   bf16        bf16       float32     float32
-(µs)                           F.linear    packed     F.linear    packed
-=============================  ==========  =========  ==========  =========
-M = 1 (one decode)             117         56         137         66
-M = 32 (a decode batch)        340         280        849         531
-M = 2048 (a prefill)           17,200      16,600     39,500      34,100
-=============================  ==========  =========  ==========  =========
-
-and a whole batch-32 bf16 decode step of the default model drops from about 86 to 75 ms. In
-bfloat16 the results are bit-identical to ``F.linear``; in float32 (where ``F.linear`` calls
-MKL, not oneDNN) they differ in summation order, by float32 rounding
-(``test_engine_layers.py`` checks both).
-
-The ops are the ones ``torch.compile``'s CPU weight-freezing pass emits
-(``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``). They are private, so
-:func:`pack_weight` returns ``None`` wherever they are missing or do not apply (a GPU, float16,
-a CPU without bf16 support in oneDNN) and the layers keep calling ``F.linear``.
-
-**A float32 copy where bfloat16 multiplies slowly.** Some CPUs list AVX-512 BF16 yet run oneDNN's
-bf16 GEMM slower than its float32 one: on a 2-core Intel Xeon VM (model 207, AVX-512 BF16 and
-FP16, AMX hidden by the hypervisor) a packed ``[512 x 576] @ [576 x 3072]`` runs at 83 GFLOP/s per
-core in bf16 and 150 in float32 (elsewhere bf16 wins by far: about 4x on a Zen 4, more with AMX).
-Converting bf16 to float32 is exact and both GEMMs accumulate in float32, so on such a CPU a
-bf16 weight also keeps a packed float32 copy, and a matmul of at least :data:`FLOAT32_MIN_ROWS`
-rows (prefills, large decode batches) upcasts ``x``, multiplies in float32 and rounds the result
-back: the same products, summed in another order. Smaller matmuls read their weights more than
-they compute, so they keep the half-size bf16 copy. :func:`bf16_matmul_is_slow` decides, by
-timing both once per process.
+Some CPUs run oneDNN's bf16 GEMM slower than its float32 one (a 2-core Xeon VM with AMX hidden:
+83 against 150 GFLOP/s per core). There a bf16 weight also keeps a packed float32 copy, and a
+matmul of at least :data:`FLOAT32_MIN_ROWS` rows upcasts ``x``, multiplies in float32 and rounds
+back: exact conversions, float32 accumulation either way, so the same products summed in another
+order. :func:`bf16_matmul_is_slow` decides, by timing both once per process.
 """
 
 from __future__ import annotations

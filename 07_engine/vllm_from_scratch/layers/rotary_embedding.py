@@ -1,16 +1,12 @@
 """Rotary position embeddings (RoPE), as the checkpoint's config describes them.
 
 Pairs of features ``(x[i], x[i + d/2])`` of every head are rotated by the angle
-``position * inv_freq[i]`` (the "rotate half", GPT-NeoX layout that Llama and Qwen3 use). The
-cosines and sines of every position up to ``max_position`` are computed once; ``forward`` only
-gathers the rows of the batch's positions, so prefill chunks and decode tokens at arbitrary
-positions are all one gather.
+``position * inv_freq[i]`` (the "rotate half" layout of Llama and Qwen). The cosines and sines of
+every position up to ``max_position`` are computed once; ``forward`` only gathers the batch's rows.
 
-Each row of the cache holds ``[cos, cos | -sin, sin]`` (every angle twice), so a whole head
-rotates at once: ``x * [cos, cos] + [x2, x1] * [-sin, sin]`` is
-``[x1 cos - x2 sin, x2 cos + x1 sin]``, with ``[x2, x1]`` one ``roll`` of ``x``. That is four ops
-per tensor instead of the eight that rotating each half separately and concatenating takes,
-and the same roundings, so the same bits.
+Each row of the cache holds ``[cos, cos | -sin, sin]``, so a whole head rotates at once:
+``x * [cos, cos] + [x2, x1] * [-sin, sin]`` is ``[x1 cos - x2 sin, x2 cos + x1 sin]``, with
+``[x2, x1]`` one ``roll`` of ``x``: four ops per tensor instead of eight, and the same bits.
 """
 
 from __future__ import annotations
