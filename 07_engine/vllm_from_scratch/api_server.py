@@ -10,10 +10,6 @@ Two guards stand in front of every route, as ASGI middleware (they answer before
 parses or validates anything): with an API key, every path but ``/health`` and ``/metrics``
 needs ``Authorization: Bearer <key>`` (401 otherwise); and a request body over the size limit
 is refused with a 413 unread, so no client can make the server parse megabytes of JSON.
-
-The endpoints' logic is :mod:`serving`'s, the SSE plumbing :mod:`streaming`'s, the wire format
-:mod:`openai_protocol`'s; the engine runs in one background loop (:mod:`async_llm`), so every
-client shares its continuously batched steps.
 """
 
 from __future__ import annotations
@@ -49,23 +45,18 @@ if TYPE_CHECKING:
 # so that a route added later (a /viz page) is protected by default.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
-# A request body may hold this many bytes per token of max_model_len (plus the overhead below).
-# The default model's longest vocabulary entry is 81 bytes (a newline and 80 spaces), 82 as a
-# JSON string; ordinary text is 4-7 bytes a token, non-ASCII text \u-escaped about 12, a token
-# id at most 7 ("49151, "), a chat message's JSON a few dozen bytes against the template tokens
-# it adds. So a prompt of max_model_len tokens always fits, however it is written.
+# A request body may hold this many bytes per token of max_model_len, so a prompt of that many
+# tokens always fits however it is written: the default model's longest token is 82 bytes as a
+# JSON string, \u-escaped text about 12 a token, a token id at most 7 ("49151, ").
 BYTES_PER_TOKEN = 128
 # The rest of the body: sampling fields, stop strings, the model name.
 BODY_OVERHEAD_BYTES = 64 * 1024
 
 
 def default_max_request_bytes(max_model_len: int) -> int:
-    """The request-size limit when none is given: 576 KiB for a 4,096-token context.
-
-    Bytes bound tokens: a body over this cannot hold a prompt the engine would take, so it is
-    refused before anyone parses or tokenizes it. A batch of many long prompts may need more
-    (``--max-request-bytes``).
-    """
+    """The request-size limit when none is given: 576 KiB for a 4,096-token context. A body over
+    it cannot hold a prompt the engine would take (a batch of long prompts may need
+    ``--max-request-bytes``)."""
     return max_model_len * BYTES_PER_TOKEN + BODY_OVERHEAD_BYTES
 
 
@@ -115,18 +106,9 @@ def build_app(
     # response_model=None: the dict goes out as it is, not validated against the annotation.
     @app.get("/v1/models", response_model=None)
     async def list_models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": served_model_name,
-                    "object": "model",
-                    "created": now(),
-                    "owned_by": "vllm-from-scratch",
-                    "max_model_len": serving.max_model_len,
-                }
-            ],
-        }
+        model = {"id": served_model_name, "object": "model", "created": now(), "owned_by": "vllm-from-scratch"}
+        model["max_model_len"] = serving.max_model_len  # vLLM's addition to OpenAI's model object
+        return {"object": "list", "data": [model]}
 
     @app.get("/health")
     async def health() -> Response:
@@ -154,12 +136,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status_code)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        err = validation_error(exc)
-        return JSONResponse(err.body(), status_code=err.status_code)
+        return error_response(validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -167,7 +148,7 @@ def add_error_handlers(app: FastAPI) -> None:
         if isinstance(exc.__cause__, ValueError | RecursionError):
             # FastAPI's "error parsing the body": say why (bad UTF-8, nesting too deep).
             message = f"Invalid JSON body: {exc.__cause__}"
-        return JSONResponse(APIError(message, status_code=exc.status_code).body(), status_code=exc.status_code)
+        return error_response(APIError(message, status_code=exc.status_code))
 
     @app.exception_handler(ClientGone)
     async def on_client_gone(_: Request, __: ClientGone) -> Response:
@@ -180,30 +161,28 @@ def validation_error(exc: RequestValidationError, max_listed: int = 3) -> APIErr
     The message lists the first ``max_listed`` errors: a client's mistake repeated over a long
     list is one mistake, and must not come back as a megabyte of messages.
     """
+
+    def loc(error: dict[str, Any]) -> list[str]:  # the field's path inside the body
+        return [str(x) for x in error.get("loc", ()) if x != "body"]
+
     errors = exc.errors()
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return APIError(f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    message = "; ".join(
-        f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
-        for e in errors[:max_listed]
-    )
+    message = "; ".join(f"{'.'.join(loc(e)) or 'body'}: {e.get('msg')}" for e in errors[:max_listed])
     if len(errors) > max_listed:
         message += f"; and {len(errors) - max_listed} more"
-    return APIError(message or "invalid request", param=loc[0] if loc else None)
+    first_loc = loc(first)
+    return APIError(message or "invalid request", param=first_loc[0] if first_loc else None)
 
 
 # ---- the guards: pure ASGI middleware, so they answer before FastAPI reads the body ---------------
 
 
 class APIKeyMiddleware:
-    """vLLM's ``--api-key``: every path but :data:`OPEN_PATHS` needs ``Authorization: Bearer <key>``.
-
-    The answer otherwise is a 401 with OpenAI's body (the openai client raises
-    ``AuthenticationError``). Keys are compared as SHA-256 digests with ``hmac.compare_digest``:
-    constant time, and equal lengths whatever the client sent, so timing tells nothing about
-    the key. The key is never logged or echoed.
+    """vLLM's ``--api-key``: every path but :data:`OPEN_PATHS` needs ``Authorization: Bearer <key>``,
+    else a 401 with OpenAI's body. Keys are compared as SHA-256 digests with ``hmac.compare_digest``:
+    constant time on equal lengths whatever the client sent, so timing tells nothing about the key.
     """
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
@@ -216,13 +195,8 @@ class APIKeyMiddleware:
         elif scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})  # policy violation
         else:
-            await send_error(
-                scope,
-                receive,
-                send,
-                APIError("Unauthorized", 401, code="invalid_api_key"),
-                headers={"www-authenticate": "Bearer"},
-            )
+            err = APIError("Unauthorized", 401, code="invalid_api_key")
+            await error_response(err, headers={"www-authenticate": "Bearer"})(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
         # Headers are latin-1 text; back to the bytes the client sent.
@@ -234,10 +208,9 @@ class APIKeyMiddleware:
 class RequestSizeLimitMiddleware:
     """A request body over ``max_bytes`` gets a 413 before anything parses it.
 
-    A declared ``Content-Length`` over the limit is refused unread. Otherwise the body is read
-    here, at most ``max_bytes + 1`` bytes whatever its framing (chunked uploads declare no
-    length), and handed on whole: the JSON parser and the validators after it, which hold the
-    event loop while they run, never see more than the limit.
+    A declared ``Content-Length`` over the limit is refused unread; any other body is read here
+    (chunked uploads declare no length), stopping past the limit, and handed on whole: the JSON
+    parser and validators after it, which hold the event loop, never see more than the limit.
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
@@ -253,14 +226,8 @@ class RequestSizeLimitMiddleware:
         except ClientDisconnect:
             return  # the client left mid-upload: nobody to answer
         if body is None:
-            await send_error(
-                scope,
-                receive,
-                send,
-                APIError(
-                    f"Request body is too large: this server accepts at most {self.max_bytes} bytes", status_code=413
-                ),
-            )
+            message = f"Request body is too large: this server accepts at most {self.max_bytes} bytes"
+            await error_response(APIError(message, status_code=413))(scope, receive, send)
             return
         await self.app(scope, replay(body, receive), send)
 
@@ -301,8 +268,6 @@ def replay(body: bytes, receive: Receive) -> Receive:
     return receive_again
 
 
-async def send_error(
-    scope: Scope, receive: Receive, send: Send, err: APIError, headers: dict[str, str] | None = None
-) -> None:
-    """Answer with ``err``'s OpenAI error body, from outside FastAPI's routing."""
-    await JSONResponse(err.body(), status_code=err.status_code, headers=headers)(scope, receive, send)
+def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """``err``'s OpenAI error body with its status code (an ASGI app too, for the guards)."""
+    return JSONResponse(err.body(), status_code=err.status_code, headers=headers)

@@ -1,18 +1,9 @@
 """One engine loop, many asyncio clients: the bridge between ``LLMEngine.step()`` and HTTP.
 
-The engine is single-threaded by design (its scheduler, block manager and model runner assume
-one caller), so exactly one thread touches it: the *engine loop*. HTTP handlers never call the
-engine; they post commands (add, abort) to a thread-safe queue and read their own request's
-outputs from an ``asyncio.Queue`` that the loop fills with ``loop.call_soon_threadsafe``::
-
-    handler ──("add", id, prompt, params)──► commands ──► engine loop thread
-       ▲                                                     │ engine.add_request / abort_request
-       │                                                     │ outputs = engine.step()
-       └──── asyncio.Queue (per request) ◄── call_soon_threadsafe(put_nowait, output)
-
-Because every request of every client enters the same engine, concurrent clients share one
-continuously batched forward pass per step: that is the whole point of serving with vLLM.
-When nothing is running the loop blocks on the command queue instead of spinning.
+The engine assumes one caller, so exactly one thread touches it: the *engine loop*. Handlers post
+commands (add, abort) to a thread-safe queue and read their own request's outputs from an
+``asyncio.Queue`` that the loop fills with ``loop.call_soon_threadsafe``; so every client's
+requests share one continuously batched step. When nothing runs, the loop blocks on the queue.
 """
 
 from __future__ import annotations
@@ -75,10 +66,7 @@ class RequestStream:
         self._stream = stream
         self.finished = False
 
-    def __aiter__(self) -> AsyncIterator[Any]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[Any]:
+    async def __aiter__(self) -> AsyncIterator[Any]:
         while not self.finished:
             item = await self._stream.queue.get()
             if isinstance(item, BaseException):

@@ -1,9 +1,8 @@
 """Serve a model over the OpenAI API: ``python -m vllm_from_scratch.serve [MODEL_DIR] --port N``.
 
-The engine's flags are generated from :class:`config.EngineConfig` (``--help`` lists every
-setting with its default, in vLLM's spellings); the routes are in :mod:`api_server`. The
-server's own settings are written here: where it listens, the API key (``--api-key`` or the
-``VLLM_API_KEY`` environment variable, as vLLM) and the request-size limit.
+The engine's flags come from :class:`config.EngineConfig` (in vLLM's spellings); the server's
+own are here: where it listens, the API key (``--api-key`` or ``VLLM_API_KEY``, as in vLLM) and
+the request-size limit.
 """
 
 from __future__ import annotations
@@ -102,13 +101,8 @@ def main(argv: list[str] | None = None) -> None:
         api_key=api_key,
         max_request_bytes=args.max_request_bytes,
     )
-    log.info(
-        "serving %s on http://%s:%d/v1 (%s)",
-        model_dir,
-        args.host,
-        args.port,
-        "API key required" if api_key else "no API key",
-    )
+    auth = "API key required" if api_key else "no API key"
+    log.info("serving %s on http://%s:%d/v1 (%s)", model_dir, args.host, args.port, auth)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

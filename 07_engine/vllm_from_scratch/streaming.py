@@ -1,10 +1,9 @@
 """Server-sent events and the plumbing between engine outputs and an HTTP response.
 
-A completion with several prompts is several engine requests, each an async stream of
-``RequestOutput``; :func:`merge_streams` interleaves them as they come. :func:`stream_events`
-turns outputs into SSE chunks for a streamed response, :func:`collect_or_abort` gathers them
-for a whole one. Both abort every engine request still running when the client goes away, so
-the engine frees its KV blocks at once instead of generating for nobody.
+A completion with several prompts is several engine requests: :func:`merge_streams` interleaves
+their outputs. Both the streamed (:func:`stream_events`) and the whole (:func:`collect_or_abort`)
+response abort every engine request still running when the client goes away, so the engine
+frees its KV blocks at once instead of generating for nobody.
 """
 
 from __future__ import annotations
@@ -74,11 +73,7 @@ async def stream_events(
     chunk: Callable[[int, str, str | None], str],
 ) -> AsyncIterator[str]:
     """SSE chunks (made by ``chunk(index, text, finish_reason)``) for every output that carries
-    text or a finish reason; ``on_output(index, output)`` sees every output first.
-
-    The ``finally`` is the disconnect path: when the client goes away Starlette cancels this
-    generator at its ``await``, and every request still running is aborted.
-    """
+    text or a finish reason; ``on_output(index, output)`` sees every output first."""
     try:
         async for i, out in merge_streams(streams):
             on_output(i, out)
@@ -86,7 +81,7 @@ async def stream_events(
                 yield chunk(i, out.new_text, out.finish_reason if out.finished else None)
     except EngineDeadError as exc:
         yield sse(error_body(str(exc), "server_error"))
-    finally:
+    finally:  # also the disconnect path: Starlette cancels this generator at its await
         for s in streams:
             s.abort()
 
