@@ -1,19 +1,10 @@
 """The step trace: one JSON line per engine step, read off the engine's own objects.
 
-Every idea of the book is a change of state between two engine steps: a prompt chunk advances
-``num_computed_tokens``, a preemption empties a block table, a prefix hit makes two block
-tables share a block, an eviction takes a cached block out of the LRU queue. :class:`StepTracer`
-records that state once per step, in one place, from what the step already holds — the
-:class:`scheduler.SchedulerOutput` the model runner read, the sampled tokens, the block
-manager, the scheduler's queues and the requests — and hands each record to its sinks (a JSON
-lines file, the server's live ``/viz`` stream).
-
-``docs/step_trace.md`` documents every field. The engine creates a tracer only when
-``EngineConfig.step_trace`` is set (or the server's ``/viz`` asks for one); otherwise its hot
-path pays one ``if self.tracer is not None``.
-
-:func:`read_trace` parses a trace file and names the line of any defect; :func:`check_trace`
-checks the book's invariants on every record (the tests run it on every trace they write).
+:class:`StepTracer` builds each record in one place from what the step already holds (the
+``SchedulerOutput``, the sampled tokens, the block manager, the scheduler's queues) and hands it
+to its sinks: a JSON lines file, the server's live ``/viz``. :func:`read_trace` parses a trace and
+names the line of any defect; :func:`check_trace` checks the book's invariants on every record.
+``docs/step_trace.md`` documents the format, every field and the invariants.
 """
 
 from __future__ import annotations
@@ -51,9 +42,7 @@ _HEADER_SETTINGS = (
 
 
 def work_kind(start: int, num_known: int, num_drafts: int, samples: bool, num_prompt_tokens: int) -> str:
-    """What a scheduled slice is: ``"verify"`` (a decode token plus drafts), ``"decode"`` (the
-    one last sampled token), or ``"prefill"`` (a prompt, a chunk of one, or the recompute of a
-    preempted request)."""
+    """A scheduled slice's ``kind``: ``"verify"``, ``"decode"`` or ``"prefill"`` (docs/step_trace.md)."""
     if num_drafts:
         return "verify"
     if samples and num_known == 1 and start >= num_prompt_tokens:
@@ -66,11 +55,8 @@ class StepTracer:
 
     Args:
         engine: the :class:`vllm_from_scratch.engine.LLMEngine` to watch (read only).
-        path: a JSON lines file to write (header first, one line per step, an ``end`` line at
-            :meth:`close`); None for a tracer fed only to sinks added later (the server's /viz).
-
-    With no sink a step costs one call that returns at once, so a server can keep a tracer
-    ready for a viewer that may never come.
+        path: a JSON lines file to write; None for a tracer fed only to sinks added later (the
+            server's /viz). With no sink a step costs one call that returns at once.
     """
 
     def __init__(self, engine: LLMEngine, path: str | os.PathLike | None = None):
@@ -88,8 +74,7 @@ class StepTracer:
         self._file: TextIO | None = None
         if path is not None:
             self._file = open(path, "w", encoding="utf-8")
-            self._file.write(json.dumps(self.header()) + "\n")
-            self._file.flush()
+            self._write(self.header())
             self.add_sink(self._write)
 
     # ------------------------------------------------------------------ sinks
@@ -98,6 +83,7 @@ class StepTracer:
         self._sinks = (*self._sinks, sink)  # a new tuple: the engine thread iterates the old one
 
     def remove_sink(self, sink: Sink) -> None:
+        """Stop calling ``sink``."""
         self._sinks = tuple(s for s in self._sinks if s is not sink)
 
     def _write(self, record: Record) -> None:
@@ -147,20 +133,16 @@ class StepTracer:
             self._hashed = self._loaded_blocks = None
             return
         scheduled = [self._scheduled(sched, r, sampled) for r in sched.scheduled_requests]
+        used = {
+            kind: sum(s["tokens"] for s in scheduled if s["kind"] == kind) for kind in ("prefill", "decode", "verify")
+        }
         record: Record = {
-            "type": "step",
-            "schema": SCHEMA,
-            "step": step,
-            "t": round(start - self._t0, 6),
+            **self._record("step", step, start),
             "duration": round(duration, 6),
-            "budget": _budget(sched.token_budget, scheduled),
+            "budget": {"total": sched.token_budget, "used": sum(used.values()), **used},
             "scheduled": scheduled,
             "admitted": list(sched.admitted_request_ids),
-            "prefix_hits": {
-                rid: sched.num_computed_tokens[rid]
-                for rid in sched.admitted_request_ids
-                if sched.num_computed_tokens.get(rid)
-            },
+            "prefix_hits": {rid: n for rid in sched.admitted_request_ids if (n := sched.num_computed_tokens.get(rid))},
             "preempted": [r.request_id for r in sched.preempted_requests],
         }
         record.update(self._outputs(outputs))
@@ -179,21 +161,17 @@ class StepTracer:
     def close(self) -> None:
         """Write the ``end`` record (aborts since the last step, the final pool) and close the file."""
         if self._sinks:
-            self._emit(
-                {
-                    "type": "end",
-                    "schema": SCHEMA,
-                    "step": self._step,
-                    "t": round(time.perf_counter() - self._t0, 6),
-                    **self._snapshot(),
-                }
-            )
+            self._emit({**self._record("end", self._step, time.perf_counter()), **self._snapshot()})
         self._sinks = ()
         if self._file is not None:
             self._file.close()
             self._file = None
 
     # ------------------------------------------------------------------ parts of a record
+    def _record(self, kind: str, step: int, start: float) -> Record:
+        """The fields every step and end record opens with; ``start`` is a ``time.perf_counter()``."""
+        return {"type": kind, "schema": SCHEMA, "step": step, "t": round(start - self._t0, 6)}
+
     def _scheduled(self, sched: SchedulerOutput, req: Request, sampled: dict[str, list[int]]) -> Record:
         rid = req.request_id
         start, num_tokens = sched.num_computed_tokens[rid], sched.num_scheduled_tokens[rid]
@@ -211,32 +189,27 @@ class StepTracer:
             "sampled": tokens,
         }
 
-    def _outputs(self, outputs: list) -> Record:
+    def _outputs(self, outputs: list[RequestOutput]) -> Record:
         """Text increments and the requests that finished (aborts are recorded apart)."""
-        text: dict[str, str] = {}
-        finished: list[Record] = []
-        for out in outputs:
-            if out.finish_reason == "abort":
-                continue
-            if out.new_text:
-                text[out.request_id] = out.new_text
-            if out.finished:
-                finished.append(
-                    {
-                        "id": out.request_id,
-                        "reason": out.finish_reason,
-                        "completion_tokens": len(out.completion_token_ids),
-                        "text": out.text,
-                    }
-                )
-        return {"finished": finished, "text": text}
+        outputs = [o for o in outputs if o.finish_reason != "abort"]
+        finished = [
+            {
+                "id": o.request_id,
+                "reason": o.finish_reason,
+                "completion_tokens": len(o.completion_token_ids),
+                "text": o.text,
+            }
+            for o in outputs
+            if o.finished
+        ]
+        return {"finished": finished, "text": {o.request_id: o.new_text for o in outputs if o.new_text}}
 
     def _snapshot(self, extra_new: Iterable = ()) -> Record:
         """The state the next step starts from: queues, block tables, the block pool."""
         scheduler = self.engine.scheduler
         waiting = list(scheduler.waiting)
         running = list(scheduler.running)
-        loading = list(getattr(scheduler, "loading", {}).values())  # a global KV pool's loads
+        loading = list(scheduler.loading.values())  # a global KV pool's loads
         aborted, self._pending_aborts = self._pending_aborts, []
         live = waiting + loading + running
         record: Record = {
@@ -263,65 +236,54 @@ class StepTracer:
 
     def _pool(self, sched: SchedulerOutput) -> Record | None:
         """With a global KV pool (``engine.kv_connector``): the tokens each request loaded from
-        it, the blocks each offers to it after this forward (the step's
-        ``kv_connector_metadata``), and the connector's running totals (``stats``)."""
-        connector = getattr(self.engine, "kv_connector", None)
+        it, the blocks each offers to it after this forward (the step's ``kv_connector_metadata``),
+        and the connector's running totals.
+
+        A load is the leap of ``num_computed_tokens`` of a request that left
+        ``WAITING_FOR_REMOTE_KVS``. A request parked during a step that ran nothing (no record saw
+        it) is known by elimination: scheduled, not admitted, not running before; it gets what the
+        totals say arrived, when it is the only one."""
+        connector = self.engine.kv_connector
         if connector is None:
             return None
-        stats = getattr(connector, "stats", None)
-        totals = dict(vars(stats)) if stats is not None else {}
-        saves = getattr(getattr(sched, "kv_connector_metadata", None), "saves", [])
-        record = {
-            "loaded": self._loaded(sched, totals.get("loaded_blocks", 0)),
-            "published": {t.request_id: len(t.block_ids) for t in saves},
-            "totals": totals,
-        }
-        self._running_before = {r.request_id for r in self.engine.scheduler.running}
-        return record
-
-    def _loaded(self, sched: SchedulerOutput, loaded_blocks: int) -> dict[str, int]:
-        """Tokens loaded per request: the leap of ``num_computed_tokens`` of a request that left
-        ``WAITING_FOR_REMOTE_KVS``. A request parked during a step that ran nothing (no record
-        saw it) is known by elimination: scheduled, not admitted, not running before; it gets
-        what the totals say arrived, when it is the only one."""
         scheduler = self.engine.scheduler
-        loading = getattr(scheduler, "loading", {})
+        totals = dict(vars(connector.stats))
         loaded = {}
         for rid, parked_at in self._parked.items():
             if rid in sched.num_computed_tokens:
                 loaded[rid] = sched.num_computed_tokens[rid] - parked_at
-            elif rid in scheduler.requests and rid not in loading:
+            elif rid in scheduler.requests and rid not in scheduler.loading:
                 loaded[rid] = scheduler.requests[rid].num_computed_tokens - parked_at
         unseen = [
             rid
             for rid in sched.num_computed_tokens
             if rid not in sched.admitted_request_ids and rid not in self._running_before and rid not in self._parked
         ]
-        remaining = (loaded_blocks - (self._loaded_blocks or 0)) * self.engine.block_manager.block_size - sum(
-            loaded.values()
-        )
-        if self._loaded_blocks is not None and remaining > 0 and len(unseen) == 1:
-            loaded[unseen[0]] = remaining
-        self._parked = {rid: r.num_computed_tokens for rid, r in loading.items()}
-        self._loaded_blocks = loaded_blocks
-        return loaded
+        if self._loaded_blocks is not None and len(unseen) == 1:
+            arrived = (totals["loaded_blocks"] - self._loaded_blocks) * self.engine.block_manager.block_size
+            remaining = arrived - sum(loaded.values())
+            if remaining > 0:
+                loaded[unseen[0]] = remaining
+        self._parked = {rid: r.num_computed_tokens for rid, r in scheduler.loading.items()}
+        self._loaded_blocks = totals["loaded_blocks"]
+        self._running_before = {r.request_id for r in scheduler.running}
+        saves = getattr(sched.kv_connector_metadata, "saves", [])
+        return {"loaded": loaded, "published": {t.request_id: len(t.block_ids) for t in saves}, "totals": totals}
 
-    def _new_requests(self, requests: Iterable) -> list[Record]:
-        new = []
-        for r in requests:
-            if r.request_id in self._known:
-                continue
-            self._known.add(r.request_id)
-            new.append(
-                {
-                    "id": r.request_id,
-                    "prompt_tokens": r.num_prompt_tokens,
-                    "max_tokens": r.max_tokens,
-                    "priority": r.priority,
-                    "arrival": round(r.arrival_time - self._unix_t0, 6),
-                }
-            )
-        return new
+    def _new_requests(self, requests: Iterable[Request]) -> list[Record]:
+        """The requests no earlier record listed, once each, in order."""
+        new = {r.request_id: r for r in requests if r.request_id not in self._known}
+        self._known.update(new)
+        return [
+            {
+                "id": rid,
+                "prompt_tokens": r.num_prompt_tokens,
+                "max_tokens": r.max_tokens,
+                "priority": r.priority,
+                "arrival": round(r.arrival_time - self._unix_t0, 6),
+            }
+            for rid, r in new.items()
+        ]
 
     def _blocks(self) -> Record:
         """Reference counts of held blocks, the cached-and-free ones in eviction (LRU) order,
@@ -343,13 +305,6 @@ class StepTracer:
             state["evicted"] = sorted(b for b, h in self._hashed.items() if hashed.get(b) != h)
         self._hashed = hashed
         return state
-
-
-def _budget(total: int, scheduled: list[Record]) -> Record:
-    used = {"prefill": 0, "decode": 0, "verify": 0}
-    for s in scheduled:
-        used[s["kind"]] += s["tokens"]
-    return {"total": total, "used": sum(used.values()), **used}
 
 
 # ---------------------------------------------------------------------------- reading and checking
@@ -414,14 +369,9 @@ class TraceSummary:
 
 
 def check_trace(path: str | os.PathLike, require_end: bool = True) -> TraceSummary:
-    """Check the book's invariants on every record of a trace; AssertionError names the line.
-
-    At every step: free + held blocks = the pool; a block's reference count equals the number
-    of block tables holding it; cached-free blocks are free; a request's blocks cover its
-    computed tokens; step numbers have no gap. Over the run: every request ends finished or
-    aborted exactly once, and its text increments add up to its final text. With
-    ``require_end`` the ``end`` record must be there, with every block returned.
-    """
+    """Check the invariants of ``docs/step_trace.md`` on every record of a trace; AssertionError
+    names the line. With ``require_end`` the ``end`` record must be there, every request ended
+    and every block returned."""
     header, records = read_trace(path)
     summary = TraceSummary()
     texts: dict[str, str] = {}
