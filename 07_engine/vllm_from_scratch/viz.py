@@ -3,17 +3,10 @@
     python -m vllm_from_scratch.viz TRACE.jsonl -o TRACE.html
     python -m vllm_from_scratch.viz TRACE.jsonl --chrome-trace TRACE.perfetto.json --check
 
-The page replays the trace step by step (play, pause, step, a scrubber, a timeline of the token
-budget): the physical block grid coloured by owner, shared blocks with their reference counts,
-cached-but-free blocks in eviction order, each request's block table, the queues, the budget
-split into prompt chunks and decodes, the text growing, and the moments that teach something
-(preemptions, evictions, prefix hits, pool loads, accepted drafts) called out as they happen.
-Everything is inlined (``viz_page.html``/``.css``/``.js`` beside this file): the page opens
-offline, from a file. The server's ``/viz`` serves the same page, fed live (:mod:`viz_server`).
-
-``--chrome-trace`` writes the Chrome trace-event format: one span per step, and per request its
-time queued, its prompt chunks, its decodes and its time preempted, which Perfetto
-(ui.perfetto.dev) or ``chrome://tracing`` draw on a timeline.
+The page replays the trace step by step; its assets (``viz_page.html``/``.css``/``.js`` beside
+this file) are inlined, so it opens offline, from a file. The server's ``/viz`` serves the same
+page, fed live (:mod:`viz_server`). What the page shows and what the Perfetto file holds:
+``docs/step_trace.md``. This module also runs the chapter demos' ``--trace`` scenarios.
 """
 
 from __future__ import annotations
@@ -68,13 +61,9 @@ ENGINE_PID, REQUESTS_PID = 1, 2
 
 
 def chrome_trace(header: Record, records: list[Record]) -> dict:
-    """The run in Chrome's trace-event format (times in microseconds from the trace's start).
-
-    Process "engine": one span per step (its tokens in ``args``) and counters of the budget
-    split and the block pool. Process "requests": one thread per request, with the spans
-    ``queued`` (arrival to admission), ``prefill`` / ``decode`` / ``verify`` (consecutive steps of
-    the same work merged) and ``preempted`` (preemption to re-admission).
-    """
+    """The run in Chrome's trace-event format, times in microseconds from the trace's start: process
+    "engine" with a span per step and counters, process "requests" with a track per request (its
+    spans: docs/step_trace.md, "Perfetto")."""
     events: list[dict] = [
         _meta(ENGINE_PID, None, "process_name", "engine"),
         _meta(ENGINE_PID, 0, "thread_name", "steps"),
@@ -84,60 +73,33 @@ def chrome_trace(header: Record, records: list[Record]) -> dict:
     for rec in records:
         tracks.see(rec)
         if rec["type"] != "step":
-            tracks.close(rec["t"])
             continue
         t, dur = _us(rec["t"]), _us(rec["duration"])
-        budget = rec["budget"]
-        events.append(
-            {
-                "ph": "X",
-                "pid": ENGINE_PID,
-                "tid": 0,
-                "name": f"step {rec['step']}",
-                "ts": t,
-                "dur": dur,
-                "args": {**budget, "running": len(rec["running"]), "waiting": len(rec["waiting"])},
-            }
-        )
-        events.append(
-            {
-                "ph": "C",
-                "pid": ENGINE_PID,
-                "name": "tokens",
-                "ts": t,
-                "args": {k: budget[k] for k in ("prefill", "decode", "verify")},
-            }
-        )
-        blocks = rec["blocks"]
-        events.append(
-            {
-                "ph": "C",
-                "pid": ENGINE_PID,
-                "name": "blocks",
-                "ts": t,
-                "args": {
-                    "held": len(blocks["ref_counts"]),
-                    "cached_free": len(blocks["cached_free"]),
-                    "free": blocks["num_free"] - len(blocks["cached_free"]),
-                },
-            }
-        )
+        budget, blocks = rec["budget"], rec["blocks"]
+        cached = len(blocks["cached_free"])
+        step_args = {**budget, "running": len(rec["running"]), "waiting": len(rec["waiting"])}
+        pool = {"held": len(blocks["ref_counts"]), "cached_free": cached, "free": blocks["num_free"] - cached}
+        events += [
+            _event("X", ENGINE_PID, f"step {rec['step']}", t, tid=0, dur=dur, args=step_args),
+            _event("C", ENGINE_PID, "tokens", t, args={k: budget[k] for k in ("prefill", "decode", "verify")}),
+            _event("C", ENGINE_PID, "blocks", t, args=pool),
+        ]
         tracks.step(rec, t, dur)
+    # Open spans end at the end record, or with the last step of a run cut short.
     tracks.close(records[-1]["t"] + records[-1].get("duration", 0) if records else 0)
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
-        "metadata": {
-            "model": header["model"],
-            "num_blocks": header["num_blocks"],
-            "block_size": header["block_size"],
-            "token_budget": header["token_budget"],
-        },
+        "metadata": {k: header[k] for k in ("model", "num_blocks", "block_size", "token_budget")},
     }
 
 
 def _us(seconds: float) -> int:
     return int(round(seconds * 1e6))
+
+
+def _event(ph: str, pid: int, name: str, ts: int, **fields: Any) -> dict:
+    return {"ph": ph, "pid": pid, "name": name, "ts": ts, **fields}
 
 
 def _meta(pid: int, tid: int | None, name: str, value: str) -> dict:
@@ -165,25 +127,17 @@ class _RequestTracks:
         for rid in rec["preempted"]:
             self._begin(rid, "preempted", t + dur, {})
         for s in rec["scheduled"]:
-            name, start, args = self.open.get(s["id"], (None, t, {}))
-            if name != s["kind"]:
+            span = self.open.get(s["id"])
+            if span is None or span[0] != s["kind"]:
                 self._begin(s["id"], s["kind"], t, {"steps": 0, "tokens": 0})
-            _, _, args = self.open[s["id"]]
+            args = self.open[s["id"]][2]
             args["steps"] += 1
             args["tokens"] += s["tokens"]
-            args["end"] = t + dur
+            args["end"] = t + dur  # a work span ends with its last step, not when the next span begins
         for rid in [f["id"] for f in rec["finished"]] + rec["aborted"]:
             self._end(rid, t + dur)
-            self.events.append(
-                {
-                    "ph": "i",
-                    "pid": REQUESTS_PID,
-                    "tid": self.tid.get(rid, 0),
-                    "s": "t",
-                    "name": "aborted" if rid in rec["aborted"] else "finished",
-                    "ts": t + dur,
-                }
-            )
+            name = "aborted" if rid in rec["aborted"] else "finished"
+            self.events.append(_event("i", REQUESTS_PID, name, t + dur, tid=self.tid.get(rid, 0), s="t"))
 
     def close(self, t_seconds: float) -> None:
         for rid in list(self.open):
@@ -197,21 +151,13 @@ class _RequestTracks:
         if rid not in self.open:
             return
         name, start, args = self.open.pop(rid)
-        end = args.pop("end", ts) if name in ("prefill", "decode", "verify") else ts
-        self.events.append(
-            {
-                "ph": "X",
-                "pid": REQUESTS_PID,
-                "tid": self.tid.get(rid, 0),
-                "name": name,
-                "ts": start,
-                "dur": max(end - start, 0),
-                "args": args,
-            }
-        )
+        end = args.pop("end", ts)
+        tid = self.tid.get(rid, 0)
+        self.events.append(_event("X", REQUESTS_PID, name, start, tid=tid, dur=max(end - start, 0), args=args))
 
 
 def write_chrome_trace(trace_path: str | Path, out_path: str | Path) -> None:
+    """Read ``trace_path`` (:class:`TraceError` names a bad line) and write :func:`chrome_trace` of it."""
     header, records = read_trace(trace_path)
     Path(out_path).write_text(json.dumps(chrome_trace(header, records)), encoding="utf-8")
 
@@ -250,16 +196,11 @@ def trace_scenario(
         while pending or engine.has_unfinished_requests():
             while pending and pending[0][1].step <= step:
                 i, a = pending.pop(0)
-                messages = ([{"role": "system", "content": a.system}] if a.system else []) + [
-                    {"role": "user", "content": a.text}
-                ]
+                messages = [{"role": "system", "content": a.system}] if a.system else []
+                messages.append({"role": "user", "content": a.text})
                 prompt = str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-                engine.add_request(
-                    prompt,
-                    SamplingParams(temperature=0.0, max_tokens=a.max_tokens),
-                    request_id=f"req-{i}",
-                    priority=a.priority,
-                )
+                params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
+                engine.add_request(prompt, params, request_id=f"req-{i}", priority=a.priority)
             texts.update((o.request_id, o.text) for o in engine.step() if o.finished)
             step += 1
     finally:
@@ -294,6 +235,7 @@ def add_trace_argument(parser: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------------------- the command line
 def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit code (2: an unreadable trace, 1: a broken invariant)."""
     parser = argparse.ArgumentParser(
         prog="python -m vllm_from_scratch.viz",
         description="Turn an engine step trace (EngineConfig.step_trace, --step-trace, or a chapter demo's "
