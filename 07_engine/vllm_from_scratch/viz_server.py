@@ -1,23 +1,11 @@
 """``/viz`` on the OpenAI server: the step-trace viewer, fed live while requests run.
 
-* ``GET /viz``         the viewer page of :mod:`viz` (self-contained), in live mode;
-* ``GET /viz/events``  server-sent events: ``event: header`` once, then one ``data:`` step
-  record per engine step, as the engine thread records it.
-
-Both sit behind the server's API key like every route but ``/health`` and ``/metrics`` (the
-key middleware of :mod:`api_server` guards every path not on its allow-list).
-
-**What the live page may show.** ``/viz`` exposes nothing about a request that ``/metrics``
-does not already expose about the engine: sizes and counts. So the stream carries the state of
-the scheduler and the KV cache (block ids, reference counts, queue order, priorities, token
-counts, drafts accepted) and never what a client wrote or read: no text, no token ids, and no
-request ids — each request gets a label (``r1``, ``r2``, ...) that lives only as long as the
-request, so one client cannot find another's request or tie it to an API call. A file trace
-(``--step-trace``) is written by whoever runs the engine and may hold the text.
-
-**What it costs.** The engine keeps one :class:`step_trace.StepTracer`; while no viewer is
-connected it has no sink and returns at once each step. A viewer that cannot keep up loses
-steps (a bounded queue per viewer), never slows the engine.
+``GET /viz`` is the viewer page of :mod:`viz` in live mode; ``GET /viz/events`` streams
+server-sent events: ``event: header`` once, then one ``data:`` step record per engine step. Both
+sit behind the server's API key. The stream is redacted (:class:`Redactor`): it shows no more
+about a request than ``/metrics`` shows about the engine (why: ``docs/step_trace.md``). While
+no viewer is connected the tracer has no sink; a viewer that cannot keep up loses steps (a
+bounded queue per viewer) and never slows the engine.
 """
 
 from __future__ import annotations
@@ -25,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -41,17 +28,9 @@ KEEPALIVE_S = 15.0
 QUEUE_SIZE = 512  # steps a slow viewer may lag behind before it loses some
 
 
-@dataclass(eq=False)
-class _Viewer:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-
 class Redactor:
-    """A step record made fit for the live page: labels for request ids, no text, no tokens.
-
-    Used from the engine thread only (the tracer's sinks run there), so it needs no lock.
-    """
+    """A step record made fit for the live page: labels for request ids, no text, no tokens. Used
+    from the engine thread only (the tracer's sinks run there), so it needs no lock."""
 
     def __init__(self) -> None:
         self._labels: dict[str, str] = {}
@@ -65,6 +44,7 @@ class Redactor:
 
     def __call__(self, rec: Record) -> Record:
         lab = self.label
+        # Labels go to ids in the order first seen: keep the order of the fields below.
         out: Record = {
             k: rec[k] for k in ("type", "schema", "step", "t", "duration", "budget", "loading", "blocks") if k in rec
         }
@@ -96,17 +76,13 @@ class Redactor:
 
 
 class LiveTrace:
-    """Fans the engine's step records out to the connected viewers.
-
-    The tracer gets this hub's sink only while at least one viewer is connected.
-    """
+    """Fans the engine's step records out to the connected viewers (the tracer's sink while there are any)."""
 
     def __init__(self, engine: LLMEngine):
-        self.engine = engine
         if engine.tracer is None:
             engine.tracer = StepTracer(engine)  # before the engine loop starts: no race
         self.tracer: StepTracer = engine.tracer
-        self._viewers: tuple[_Viewer, ...] = ()
+        self._viewers: tuple[tuple[asyncio.AbstractEventLoop, asyncio.Queue], ...] = ()  # (event loop, queue) each
         self._redact = Redactor()
 
     def header(self) -> Record:
@@ -115,38 +91,33 @@ class LiveTrace:
     def _on_record(self, record: Record) -> None:
         """The tracer's sink, on the engine thread: redact and serialize once, post to all."""
         text = json.dumps(self._redact(record), separators=(",", ":"))
-        for viewer in self._viewers:
+        for loop, queue in self._viewers:
             try:
-                viewer.loop.call_soon_threadsafe(_offer, viewer.queue, text)
+                loop.call_soon_threadsafe(_offer, queue, text)
             except RuntimeError:
                 pass  # that viewer's event loop is closed
 
-    def _join(self, viewer: _Viewer) -> None:
+    async def events(self, request: Request) -> AsyncIterator[str]:
+        """One viewer's SSE stream: the header, then every step until it disconnects."""
+        queue: asyncio.Queue = asyncio.Queue(QUEUE_SIZE)
+        viewer = (asyncio.get_running_loop(), queue)
         if not self._viewers:
             self._redact = Redactor()
             self.tracer.add_sink(self._on_record)
         self._viewers = (*self._viewers, viewer)
-
-    def _leave(self, viewer: _Viewer) -> None:
-        self._viewers = tuple(v for v in self._viewers if v is not viewer)
-        if not self._viewers:
-            self.tracer.remove_sink(self._on_record)
-
-    async def events(self, request: Request) -> AsyncIterator[str]:
-        """One viewer's SSE stream: the header, then every step until it disconnects."""
-        viewer = _Viewer(asyncio.get_running_loop(), asyncio.Queue(QUEUE_SIZE))
-        self._join(viewer)
         try:
             yield f"event: header\ndata: {json.dumps(self.header(), separators=(',', ':'))}\n\n"
             while not await request.is_disconnected():
                 try:
-                    text = await asyncio.wait_for(viewer.queue.get(), KEEPALIVE_S)
+                    text = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
                 except asyncio.TimeoutError:
                     yield ": keep-alive\n\n"
                     continue
                 yield f"data: {text}\n\n"
         finally:
-            self._leave(viewer)
+            self._viewers = tuple(v for v in self._viewers if v is not viewer)
+            if not self._viewers:
+                self.tracer.remove_sink(self._on_record)
 
 
 def _offer(queue: asyncio.Queue, text: str) -> None:
