@@ -1,11 +1,6 @@
-"""The attention layer: write this step's K/V into the paged cache, then attend over it.
-
-Both halves come from earlier chapters: chapter 01's ``store_kvcache`` scatters the new keys and
-values into their slots; chapter 02's ``paged_attention`` reads every cached token of each request
-through its block table, choosing flash-attn or Triton kernels for CUDA tensors and the torch path
-for CPU ones (a decode kernel when every request brings one token, the varlen kernel otherwise).
-The batch description arrives as an :class:`AttentionMetadata` argument built once per step by the
-model runner, not through a global as in nano-vllm.
+"""The attention layer: store this step's K/V in the paged cache (chapter 01's ``store_kvcache``),
+then attend over it (chapter 02's ``paged_attention``, which picks flash-attn, Triton or torch by
+device). The batch arrives as an explicit :class:`AttentionMetadata`, not through a global.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """Linear layers split across tensor-parallel ranks, Megatron-style.
 
-* :class:`ColumnParallelLinear` splits the *output* features: each rank computes a slice of
-  ``y``; no communication.
-* :class:`RowParallelLinear` splits the *input* features: each rank computes a partial ``y`` and
-  the ranks all-reduce. A column layer followed by a row layer (q/k/v then o, gate/up then down)
-  needs exactly one all-reduce.
-* :class:`MergedColumnParallelLinear` and :class:`QKVParallelLinear` fuse several column layers
-  that read the same input into one matmul; their ``weight_loader`` takes a shard id that says
-  which checkpoint tensor (``gate``/``up``, ``q``/``k``/``v``) is being copied where.
-
+A column-parallel layer (output features split, no communication) followed by a row-parallel one
+(input features split, one all-reduce) — q/k/v then o, gate/up then down — costs one all-reduce.
 Each parameter carries a ``weight_loader(param, loaded_weight[, shard_id])`` that copies *this
 rank's* slice of a full checkpoint tensor; ``loader.py`` calls it.
 """

@@ -1,18 +1,16 @@
 """Weights packed once for the CPU's matmul library: the same products, less work per step.
 
-Before a CPU GEMM multiplies, oneDNN reorders ("packs") the weight into the tiled layout its
-kernels stream through. ``F.linear`` repacks on every call, a large share of a decode-sized call
-(``[1 x 576] @ [576 x 3072]`` in bf16: 117 µs, 56 µs packed), so the engine packs once after
-loading. bfloat16 results are bit-identical to ``F.linear``; float32 ones (``F.linear`` calls MKL
-there) differ in summation order only. The ops are the private ones ``torch.compile``'s CPU
-weight freezing emits, so :func:`pack_weight` returns ``None`` wherever they are missing or do
-not apply (a GPU, float16, no bf16 support in oneDNN) and the layers keep calling ``F.linear``.
+``F.linear`` has oneDNN reorder ("pack") the weight into its tiled layout on every call, a large
+share of a decode-sized matmul, so the engine packs once after loading (07_engine/README.md,
+"Layers"). bfloat16 results are bit-identical; float32 ones (``F.linear`` calls MKL there) differ
+in summation order. The ops are the private ones ``torch.compile``'s CPU weight freezing emits,
+so :func:`pack_weight` returns ``None`` wherever they are missing or do not apply and the layers
+keep calling ``F.linear``.
 
 Some CPUs run oneDNN's bf16 GEMM slower than its float32 one (a 2-core Xeon VM with AMX hidden:
-83 against 150 GFLOP/s per core). There a bf16 weight also keeps a packed float32 copy, and a
-matmul of at least :data:`FLOAT32_MIN_ROWS` rows upcasts ``x``, multiplies in float32 and rounds
-back: exact conversions, float32 accumulation either way, so the same products summed in another
-order. :func:`bf16_matmul_is_slow` decides, by timing both once per process.
+83 against 150 GFLOP/s per core). There a bf16 weight also keeps a packed float32 copy, which
+matmuls of :data:`FLOAT32_MIN_ROWS` rows or more use: exact upcasts and float32 accumulation
+either way, so the same products summed in another order. :func:`bf16_matmul_is_slow` decides.
 """
 
 from __future__ import annotations

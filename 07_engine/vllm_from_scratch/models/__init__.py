@@ -25,24 +25,21 @@ _MODELS: dict[str, str | type[nn.Module]] = {
 def register_model(architecture: str, cls: type[nn.Module] | str) -> None:
     """Make checkpoints whose config.json says ``"architectures": [architecture]`` load as ``cls``.
 
-    ``cls`` is the class itself or a ``"package.module:ClassName"`` string, imported on first
-    use. Registering a name again replaces the earlier class (a built-in one included).
+    ``cls`` is the class or a ``"package.module:ClassName"`` string, imported on first use; a name
+    registered again is replaced (a built-in one included). What ``LLM(model_dir)`` builds and the
+    runner calls must provide (subclassing :class:`~vllm_from_scratch.models.llama.LlamaForCausalLM`
+    gives all four):
 
-    The class is what ``LLM(model_dir)`` builds and the runner calls, so it must provide:
-
-    * ``__init__(config, tp_rank=0, tp_size=1, tp_group=None)``: ``config`` is the transformers
-      config of the checkpoint; build the layers of rank ``tp_rank`` of ``tp_size`` (the
-      ``layers/`` classes take these arguments) in the current default dtype and device;
-    * ``forward(input_ids, positions, attn_metadata) -> hidden_states``: ``[T]`` token ids and
-      positions, the :class:`~vllm_from_scratch.layers.attention.AttentionMetadata` that every
-      ``Attention`` layer receives, and ``[T, hidden_size]`` out;
+    * ``__init__(config, tp_rank=0, tp_size=1, tp_group=None)``: from the checkpoint's transformers
+      config, build rank ``tp_rank`` of ``tp_size`` in the current default dtype and device;
+    * ``forward(input_ids, positions, attn_metadata) -> hidden_states``: ``[T]`` ids and positions,
+      the :class:`~vllm_from_scratch.layers.attention.AttentionMetadata` every ``Attention`` layer
+      receives, ``[T, hidden_size]`` out;
     * ``compute_logits(hidden_states) -> logits``: the LM head on the rows that sample (``None``
       on tensor-parallel ranks other than 0);
-    * ``packed_modules_mapping``: checkpoint module name → ``(fused parameter's module, shard
-      id)``, e.g. ``{"q_proj": ("qkv_proj", "q")}``; ``{}`` when nothing is fused. Parameter
-      names must otherwise match the checkpoint's tensor names.
-
-    Subclassing :class:`~vllm_from_scratch.models.llama.LlamaForCausalLM` gives all four.
+    * ``packed_modules_mapping``: checkpoint module name → ``(fused module, shard id)``, e.g.
+      ``{"q_proj": ("qkv_proj", "q")}``, ``{}`` if nothing is fused; other parameter names must
+      match the checkpoint's tensor names.
 
     Raises:
         ValueError: ``architecture`` is not a non-empty string, or ``cls`` is neither an

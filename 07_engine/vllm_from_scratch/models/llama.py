@@ -1,9 +1,7 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral-style GQA) in the engine's layers.
 
-Parameter names follow the Hugging Face checkpoint (``model.layers.N.self_attn.qkv_proj`` is the
-only rename: q/k/v and gate/up are fused, and ``packed_modules_mapping`` tells the loader where
-each checkpoint tensor goes). Attention receives its batch metadata as an argument of
-``forward``; nothing is read from a global.
+Parameter names follow the Hugging Face checkpoint except the fused ``qkv_proj`` and
+``gate_up_proj``, which ``packed_modules_mapping`` tells the loader about.
 """
 
 from __future__ import annotations
@@ -41,19 +39,11 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         qkv_bias, o_bias = self.projection_biases(config)
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=qkv_bias,
-            **tp,
-        )
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, kv_heads, bias=qkv_bias, **tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias, **tp
-        )
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=o_bias, **tp)
         theta, scaling = rope_settings(config)
         self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, theta, scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
