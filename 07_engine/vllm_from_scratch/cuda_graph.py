@@ -1,38 +1,11 @@
 """CUDA graphs for decode: launch a whole forward with one call instead of hundreds.
 
-A decode step of a small model is a few hundred tiny kernels; on a GPU the CPU-side cost of
-launching them (Python, the PyTorch dispatcher, the driver) is larger than the kernels
-themselves. A CUDA graph records the launches once and replays them with a single call. The
-price: a graph is frozen, so its inputs must live at fixed addresses and have fixed shapes.
-
-nano-vllm's scheme, which we follow:
-
-* Only decode (one new token per request) is captured; prefill shapes vary too much.
-* Batch sizes 1, 2, 4, 8, then every 16 up to ``min(max_num_seqs, 512)``; a batch of ``n``
-  replays the smallest captured size ``>= n``, its extra rows padded.
-* Capture runs largest first and every graph shares one memory pool: the largest graph's
-  activations fit every smaller one, so all graphs together cost about as much as the largest.
-* The LM head stays outside the graph: logits are computed on the real rows only, and under
-  tensor parallelism the logits gather runs eagerly.
-
-::
-
-    static buffers (max_bs rows)        graph[bs] (captured once per bs)
-    ┌──────────────┐ copy_ real rows    ┌──────────────────────────────┐
-    │ input_ids    │◄── n ─┐            │ model(input_ids[:bs],        │
-    │ positions    │       │ pad to bs  │       positions[:bs],        │──► hidden[:bs]
-    │ slot_mapping │ -1 ───┘            │       metadata views [:bs])  │      │
-    │ seq_lens_k   │ 1                  └──────────────────────────────┘      ▼
-    │ block_tables │                                            hidden[:n] → compute_logits
-    └──────────────┘
-
-Two fixes to nano-vllm: with ``max_num_seqs`` = 10 it captures 1, 2, 4, 8 and then fails on a
-batch of 9 (no size ``>= 9``); we always capture ``max_bs`` itself. And padded rows get a
-context length of 1 rather than 0, so no attention kernel divides by an empty softmax.
-
-What the graph needs from the model: a decode forward that never syncs with the host (no
-``.item()``, ``.tolist()`` or data-dependent shapes), since those cannot be captured; the
-metadata's ``max_seqlen_k`` is frozen at ``max_model_len``, an upper bound.
+nano-vllm's scheme (07_engine/README.md, "CUDA graphs for decode"): decode forwards captured at
+:func:`capture_batch_sizes`; a batch of ``n`` replays the smallest captured size ``>= n`` from
+static buffers, its extra rows padded with slot -1 (store nothing) and context length 1 (not 0:
+no kernel meets an empty softmax). The LM head stays outside the graph. The captured forward must
+never sync with the host (no ``.item()``, ``.tolist()`` or data-dependent shapes);
+``max_seqlen_k`` is frozen at ``max_model_len``.
 """
 
 from __future__ import annotations
@@ -78,13 +51,11 @@ class CUDAGraphRunner:
     """Decode forwards replayed from graphs captured at :func:`capture_batch_sizes`.
 
     Args:
-        model: ``model(input_ids, positions, attn_metadata) -> hidden_states`` (the engine's
-            models); its KV cache must be bound before :meth:`capture`.
+        model: ``model(input_ids, positions, attn_metadata) -> hidden_states``, its KV cache
+            bound before :meth:`capture`.
         max_num_seqs: the scheduler's limit; sizes above ``min(max_num_seqs, 512)`` run eagerly.
         max_model_len: bounds the block-table width and the frozen ``max_seqlen_k``.
-        block_size: tokens per KV block.
-        hidden_size: width of the model's output hidden states.
-        dtype / device: of the hidden states and of every buffer.
+        hidden_size / dtype / device: of the hidden states; every buffer is on ``device``.
         use_cuda_graph: False replaces the CUDA graphs by :class:`_EagerReplay` (CPU tests).
     """
 
@@ -135,11 +106,8 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every batch size, largest first, in one shared memory pool.
-
-        The padded rows write nowhere (slot -1) and attend to one token, so capturing over the
-        zeroed buffers leaves the KV cache untouched.
-        """
+        """Capture every batch size, largest first, in one shared memory pool; the buffers hold
+        padding rows only (slot -1), so capturing writes nothing to the KV cache."""
         for bs in reversed(self.batch_sizes):
             if not self.use_cuda_graph:
                 self.graphs[bs] = _EagerReplay(functools.partial(self._forward_into_buffers, bs))

@@ -1,12 +1,10 @@
 """Tensor parallelism over ``torch.distributed``: start the ranks, mirror every call, shut down.
 
 One model is split across ``world_size`` processes ("ranks"). Every rank holds a slice of every
-weight (chapter 07's ``layers/``: column-, row-, QKV-, merged-parallel linears and the
-vocab-parallel embedding / LM head) and runs *the same* forward on *the same* inputs; the layers
-talk only inside the forward (an all-reduce after each row-parallel linear and after the
-embedding, a gather of the logits to rank 0). The engine's scheduler and block manager live on
-rank 0 alone, and only rank 0 samples: it alone receives the gathered logits. The engine talks to
-the ranks through one method, ``executor.call(method, *args)``, which runs
+weight (``layers/``) and runs *the same* forward on *the same* inputs; the layers talk only inside
+the forward (an all-reduce after each row-parallel linear and after the embedding, a gather of
+the logits to rank 0). The scheduler and block manager live on rank 0, the only rank that
+samples. The engine reaches the ranks through ``executor.call(method, *args)``, which runs
 ``ModelRunner.<method>(*args)`` on every rank and returns rank 0's result::
 
     rank 0 (this process)                               ranks 1..N-1 (spawned workers)
@@ -21,24 +19,8 @@ the ranks through one method, ``executor.call(method, *args)``, which runs
      │         sample, or verify the drafts
      └─ scheduler.update_from_output(scheduler_output, sampled)
 
-How the ranks meet: rank 0 opens a ``TCPStore`` on port 0, so the OS picks a free port (no fixed
-port to collide with a second engine, and no race between "find a free port" and "bind it"), and
-passes the port to the workers it spawns. The compute group is NCCL on a GPU and gloo on the CPU.
-
-How calls reach the workers: a pickled ``(method, args, kwargs)`` broadcast over a dedicated gloo
-group (``torch.distributed.broadcast_object_list``). nano-vllm writes the pickle into a 1 MiB
-shared-memory block named "nanovllm" and sets one ``multiprocessing.Event`` per worker; that is a
-few microseconds faster, but the fixed name makes two engines on one machine collide, a crash
-leaves the block in ``/dev/shm``, and a call bigger than 1 MiB does not fit. A broadcast costs
-two small TCP messages per engine step, nothing next to a forward, leaves nothing in ``/dev/shm``
-to leak, has no size limit, and would work across machines. The control group gets a very long
-timeout so that an engine left idle for an hour still has its workers; the compute group keeps a
-normal one so that a hung forward fails instead of hanging forever.
-
-How it ends: :meth:`TensorParallelExecutor.shutdown` (also run by a ``weakref.finalize`` when the
-executor is garbage collected or the interpreter exits) broadcasts ``"exit"``, joins the workers
-and terminates any that do not leave. If rank 0 dies without a word (``kill -9``), each worker's
-watchdog thread sees the parent's sentinel pipe close and exits the worker: no orphans.
+Calls travel over a gloo control group; the compute group is NCCL on a GPU, gloo on the CPU. Why
+each choice, against nano-vllm's: 07_engine/README.md, "Starting, calling, stopping".
 """
 
 from __future__ import annotations
@@ -66,29 +48,21 @@ STARTUP_TIMEOUT_S = 300.0
 EXIT = "__exit__"
 
 
-def backend_for(device: str | torch.device) -> str:
-    """NCCL for CUDA tensors, gloo for CPU ones."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
-
-
-def _usable_cores() -> int:
-    """Cores this process may run on (a container's CPU set, not the host's core count)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def _init_process_groups(
     rank: int, world_size: int, store: dist.Store, device: str | torch.device
 ) -> dist.ProcessGroup:
     """Join the default (compute) group and create the gloo control group; return the latter."""
-    if torch.device(device).type == "cuda":
+    on_gpu = torch.device(device).type == "cuda"
+    if on_gpu:
         torch.cuda.set_device(rank)
     else:
         # Every rank would otherwise start one thread per core: N ranks on C cores would run
-        # N*C threads that preempt each other between every all-reduce.
-        torch.set_num_threads(max(1, _usable_cores() // world_size))
-    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size, timeout=COMPUTE_TIMEOUT)
+        # N*C threads that preempt each other between every all-reduce. The affinity mask is a
+        # container's CPU set, not the host's core count.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // world_size))
+    backend = "nccl" if on_gpu else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=COMPUTE_TIMEOUT)
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
@@ -141,7 +115,9 @@ def _worker_main(runner_factory: Callable[[int], Any], rank: int, world_size: in
     try:
         dist.barrier(group=control)  # tells rank 0 that every runner is built
         while True:
-            method, args, kwargs = _receive(control)
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0, group=control)
+            method, args, kwargs = box[0]
             if method == EXIT:
                 break
             getattr(runner, method)(*args, **kwargs)
@@ -152,12 +128,6 @@ def _worker_main(runner_factory: Callable[[int], Any], rank: int, world_size: in
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _receive(control: dist.ProcessGroup) -> Any:
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0, group=control)
-    return box[0]
 
 
 def _wait_for_workers(store: dist.Store, procs: list[BaseProcess]) -> None:
@@ -237,18 +207,18 @@ class TensorParallelExecutor:
     """Rank 0's handle on a tensor-parallel group: starts ranks 1..N-1, mirrors calls, shuts down.
 
     Args:
-        runner_factory: a picklable callable ``runner_factory(rank) -> runner`` (a top-level
-            class or a ``functools.partial`` of one, e.g. ``partial(ModelRunner, config)``).
-            Every rank calls it after joining the process group, so the runner may build its
-            model shard with ``tp_rank=rank, tp_size=world_size`` and use collectives.
+        runner_factory: a picklable ``runner_factory(rank) -> runner``, e.g.
+            ``partial(ModelRunner, config)``, called on every rank after it joined the group.
         world_size: number of ranks, at least 2 (``LocalExecutor`` is the 1-rank case).
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, rank r on GPU r).
 
-    ``call("execute_model", scheduler_output)`` broadcasts the call, then runs it on rank 0's
-    runner and returns rank 0's result; the workers' results are dropped (their runners return
-    ``{}``: only rank 0 holds the gathered logits). Only one executor may be alive per process, because
-    rank 0 uses this process's default ``torch.distributed`` group. Workers are *spawned*, which
-    re-imports the main module: a script that builds one needs ``if __name__ == "__main__":``.
+    One executor per process (rank 0 uses the default ``torch.distributed`` group). Workers are
+    *spawned*, which re-imports the main module: a script needs ``if __name__ == "__main__":``.
+
+    Raises:
+        ValueError: ``world_size`` below 2, or more than the GPUs there are.
+        RuntimeError: a process group already exists, or a rank failed to start (with its
+            traceback).
     """
 
     def __init__(self, runner_factory: Callable[[int], Any], world_size: int, device: str | torch.device = "cpu"):
@@ -326,13 +296,6 @@ def make_executor(
     return TensorParallelExecutor(runner_factory, world_size, device)
 
 
-def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    """Sum ``x`` over the ranks in place (a no-op for one rank); what row-parallel layers need."""
-    if tp_size > 1:
-        dist.all_reduce(x)
-    return x
-
-
 def gather_to_first_rank(
     x: torch.Tensor, tp_rank: int, tp_size: int, dim: int = -1, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor | None:
@@ -341,9 +304,6 @@ def gather_to_first_rank(
     if tp_size == 1:
         return x
     x = x.contiguous()
-    if tp_rank != 0:
-        dist.gather(x, None, group=group, group_dst=0)
-        return None
-    parts = [torch.empty_like(x) for _ in range(tp_size)]
+    parts = [torch.empty_like(x) for _ in range(tp_size)] if tp_rank == 0 else None
     dist.gather(x, parts, group=group, group_dst=0)
-    return torch.cat(parts, dim=dim)
+    return None if parts is None else torch.cat(parts, dim=dim)
