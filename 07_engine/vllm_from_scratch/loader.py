@@ -1,9 +1,7 @@
 """Load a Hugging Face safetensors directory into one of the engine's models.
 
-Every parameter knows how to take *its rank's* slice of a full checkpoint tensor (its
-``weight_loader``); checkpoint names that were fused into one parameter (q/k/v into ``qkv_proj``,
-gate/up into ``gate_up_proj``) are routed through the model's ``packed_modules_mapping`` with the
-shard id the fused layer's loader expects.
+Every parameter's ``weight_loader`` copies *its rank's* slice of a checkpoint tensor; names fused
+into one parameter (q/k/v, gate/up) are routed through the model's ``packed_modules_mapping``.
 """
 
 from __future__ import annotations
@@ -104,11 +102,8 @@ def load_weights(model: torch.nn.Module, model_dir: str) -> None:
                 param = params[target]
                 # A parallel layer's parameter carries its own loader, which takes a shard id.
                 weight_loader: Callable[..., None] = getattr(param, "weight_loader", default_weight_loader)
-                tensor = f.get_tensor(name)
-                if shard_id is None:
-                    weight_loader(param, tensor)
-                else:
-                    weight_loader(param, tensor, shard_id)
+                shard_args = () if shard_id is None else (shard_id,)
+                weight_loader(param, f.get_tensor(name), *shard_args)
                 loaded.add(target)
     missing = set(params) - loaded
     if missing:

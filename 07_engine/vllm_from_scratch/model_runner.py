@@ -1,17 +1,8 @@
 """Run the model on one scheduled step: a :class:`scheduler.SchedulerOutput` in, sampled tokens out.
 
-The runner reads nothing but the scheduler's output. Chapter 06 turns it into the batch:
-:meth:`chunked_prefill.SchedulerInfo.from_scheduler_output` describes each request's slice
-(its tokens, its first position, its block table, whether and how many rows it samples), and
-:func:`chunked_prefill.build_batch_inputs` flattens that into the tensors of one forward
-(``input_ids``, ``positions``, ``slot_mapping``, ``cu_seqlens_q``, ``seq_lens_k``,
-``block_tables``, ``logits_indices``). A whole prompt, a chunk of one, a single decode token and
-``1 + k`` draft-verification tokens are the same thing there, so one forward serves any mix.
-
-Logits are computed for the sampling rows alone (the LM head over 49k vocabulary entries is not
-paid for every prompt token). A step without drafts samples one token per sampling request;
-a step with drafts verifies them with chapter 05's rejection sampler, which keeps the output
-distribution exactly the target's.
+Chapter 06 builds one forward's tensors from any mix of prompts, chunks, decode tokens and drafts;
+logits are computed for the sampling rows only, and drafts are verified with chapter 05's
+rejection sampler (07_engine/README.md, "Model runner").
 """
 
 from __future__ import annotations
@@ -39,12 +30,8 @@ WARM_UP_ROW = 256
 
 
 class ModelRunner:
-    """Owns the model weights, the KV cache and the sampler of one (tensor-parallel) rank.
-
-    Args:
-        config: the engine's settings.
-        tp_rank / tp_group: this rank and its process group when ``tensor_parallel_size > 1``.
-    """
+    """Owns the model weights, the KV cache and the sampler of one (tensor-parallel) rank:
+    ``tp_rank`` in ``tp_group`` when ``config.tensor_parallel_size > 1``."""
 
     def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_group: dist.ProcessGroup | None = None):
         self.config = config
@@ -94,28 +81,22 @@ class ModelRunner:
         return runner
 
     # ------------------------------------------------------------------ KV cache
-    def _block_bytes(self) -> int:
+    def _block_layout(self) -> tuple[int, int, int, int, torch.dtype]:
+        """``(layers, block_size, kv_heads, head_dim, dtype)``, as chapter 01's KV cache functions take them."""
         layer = self.attn_layers[0]
-        return bytes_per_block(
-            len(self.attn_layers), self.block_size, layer.num_kv_heads, layer.head_dim, self.config.torch_dtype
-        )
+        return len(self.attn_layers), self.block_size, layer.num_kv_heads, layer.head_dim, self.config.torch_dtype
 
     def _num_blocks_from_memory(self) -> int:
         cfg = self.config
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            used_by_others = total - free
             # Keep (1 - utilization) of the card free, plus headroom for activations of a full batch.
-            hidden = cfg.hf_config.hidden_size
-            activations = cfg.max_num_batched_tokens * hidden * 4 * 16
-            budget = int(total * cfg.gpu_memory_utilization) - used_by_others - activations
+            activations = cfg.max_num_batched_tokens * cfg.hf_config.hidden_size * 4 * 16
+            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - activations
         else:
             budget = int(cfg.cpu_kvcache_space_gib * 2**30)
-        layer = self.attn_layers[0]
-        num = num_blocks_for_budget(
-            max(budget, 0), len(self.attn_layers), self.block_size, layer.num_kv_heads, layer.head_dim, cfg.torch_dtype
-        )
+        num = num_blocks_for_budget(max(budget, 0), *self._block_layout())
         # More blocks than max_num_seqs full-length requests can ever hold would be wasted memory.
         cap = cfg.max_num_seqs * cdiv(cfg.max_model_len, self.block_size)
         return min(num, cap)
@@ -131,19 +112,11 @@ class ModelRunner:
             num_blocks = int(count.item())
         if num_blocks < 1:
             raise ValueError(
-                f"no room for a single KV block ({self._block_bytes()} bytes); lower max_num_batched_tokens "
-                "or raise gpu_memory_utilization / cpu_kvcache_space_gib"
+                f"no room for a single KV block ({bytes_per_block(*self._block_layout())} bytes); "
+                "lower max_num_batched_tokens or raise gpu_memory_utilization / cpu_kvcache_space_gib"
             )
-        layer = self.attn_layers[0]
-        self.kv_cache = allocate_kv_cache(
-            len(self.attn_layers),
-            num_blocks,
-            self.block_size,
-            layer.num_kv_heads,
-            layer.head_dim,
-            self.config.torch_dtype,
-            self.device,
-        )
+        layers, block_size, kv_heads, head_dim, dtype = self._block_layout()
+        self.kv_cache = allocate_kv_cache(layers, num_blocks, block_size, kv_heads, head_dim, dtype, self.device)
         for i, attn in enumerate(self.attn_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         return num_blocks
@@ -161,9 +134,8 @@ class ModelRunner:
         for n in prefill_lens:
             # The linear layers see all n tokens as one matrix whatever the rows; rows of at most
             # WARM_UP_ROW tokens spare the warm-up a quadratic attention over one long prompt.
-            self._dummy_forward(
-                [WARM_UP_ROW] * (n // WARM_UP_ROW) + [n % WARM_UP_ROW] * bool(n % WARM_UP_ROW), context=0
-            )
+            rows = [WARM_UP_ROW] * (n // WARM_UP_ROW) + [n % WARM_UP_ROW] * bool(n % WARM_UP_ROW)
+            self._dummy_forward(rows, context=0)
         for b in decode_batch_sizes:
             self._dummy_forward([1] * b, context=self.block_size - 1)
 
@@ -198,8 +170,7 @@ class ModelRunner:
             hidden = self.graph_runner.run(batch.input_ids, batch.positions, md)
         else:
             hidden = self.model(batch.input_ids, batch.positions, md)
-        # nn.Module's __getattr__ types every attribute as Tensor | Module; every registered
-        # model defines compute_logits (models/__init__.py).
+        # Every registered model defines compute_logits (models/__init__.py); mypy sees a Module attribute.
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # type: ignore[operator]
         # Under tensor parallelism only rank 0 receives the gathered logits and samples.
         return None if logits is None else logits.float()

@@ -1,10 +1,9 @@
 """Turn the last-token logits of a batch into next tokens, one vectorized pass for all rows.
 
-Each row has its own temperature, top-k and top-p (greedy rows are temperature 0). Sampling uses
-the "exponential race": ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. is an exact draw from ``p``
-(the Gumbel-max trick in another guise), so a whole batch samples with one ``argmax`` and a
-request with a ``seed`` only needs its own generator to draw its row of ``E``: its output does not
-depend on what else is in the batch.
+Each row has its own temperature (0: greedy), top-k, top-p and optional seed. Sampling is the
+"exponential race": ``argmax(p / E)`` with ``E ~ Exp(1)`` is an exact draw from ``p``, so a batch
+samples with one ``argmax`` and a seeded request draws its row of ``E`` from its own generator,
+whatever else is in the batch.
 """
 
 from __future__ import annotations

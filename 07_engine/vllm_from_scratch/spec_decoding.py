@@ -1,17 +1,9 @@
 """Speculative decoding inside the engine: chapter 05's proposers, fed by the running batch.
 
-Before each ``schedule()``, :class:`DraftProposer` gives every decoding request up to ``k`` draft
-tokens in ``request.spec_token_ids``, from chapter 05's :class:`NgramProposer` or
-:class:`DraftModelProposer`, used as they are. The scheduler (chapter 04) gives the request
-``1 + drafts`` tokens, the model runner scores them in the same forward as the rest of the batch
-and verifies them with chapter 05's rejection sampler (``ModelRunner.verify_drafts``). Drafts are
-greedy, so their distribution q is one-hot and the output follows the target exactly.
-
-A draft model runs on the engine's own machinery, batched: :class:`PagedDraftModel` is the
-``BatchedLogitsModel`` that ``DraftModelProposer`` asks for, made of a second
-:class:`ModelRunner` (the draft checkpoint, loaded through the same model registry), chapter
-01's ``BlockManager`` and ``Sequence`` for its own paged KV cache, and chapter 06's batch
-builder. Each draft position is one forward over every decoding request.
+Before each ``schedule()``, :class:`DraftProposer` sets every decoding request's
+``spec_token_ids``; the model runner scores them with the rest of the batch and verifies them
+(``ModelRunner.verify_drafts``). A draft model runs batched on its own :class:`ModelRunner` and
+paged KV cache (:class:`PagedDraftModel`).
 """
 
 from __future__ import annotations
@@ -30,16 +22,12 @@ from vllm_from_scratch.model_runner import ModelRunner
 
 
 class PagedDraftModel:
-    """A draft model on its own paged KV cache, answering many contexts with one forward.
+    """A draft model (``runner``, whose KV cache it uses) answering many contexts with one forward.
 
-    Each key (a request id) owns a chapter 01 :class:`Sequence` holding the tokens the draft has
-    K/V for. A call rolls each sequence back to what it shares with the new context (drafts the
-    target rejected), feeds the rest, and returns the last position's logits of every row.
-    Keys of requests that ended are :meth:`release`-d; when blocks run out, the sequences of
-    requests not in the call are dropped first (they recompute their K/V when they come back).
-
-    Args:
-        runner: a :class:`ModelRunner` of the draft checkpoint (its KV cache is this model's).
+    Each key (a request id) owns a chapter 01 :class:`Sequence` of the tokens the draft has K/V
+    for. A call rolls each back to what it shares with the new context, feeds the rest, and returns
+    the last position's logits of every row. When blocks run out, the sequences of keys not in the
+    call are dropped first (they recompute their K/V when they come back).
     """
 
     def __init__(self, runner: ModelRunner):
