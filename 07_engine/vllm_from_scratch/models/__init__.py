@@ -26,20 +26,17 @@ def register_model(architecture: str, cls: type[nn.Module] | str) -> None:
     """Make checkpoints whose config.json says ``"architectures": [architecture]`` load as ``cls``.
 
     ``cls`` is the class or a ``"package.module:ClassName"`` string, imported on first use; a name
-    registered again is replaced (a built-in one included). What ``LLM(model_dir)`` builds and the
-    runner calls must provide (subclassing :class:`~vllm_from_scratch.models.llama.LlamaForCausalLM`
-    gives all four):
+    registered again is replaced (a built-in one included). The class must provide (subclassing
+    :class:`~vllm_from_scratch.models.llama.LlamaForCausalLM` gives all four):
 
-    * ``__init__(config, tp_rank=0, tp_size=1, tp_group=None)``: from the checkpoint's transformers
-      config, build rank ``tp_rank`` of ``tp_size`` in the current default dtype and device;
-    * ``forward(input_ids, positions, attn_metadata) -> hidden_states``: ``[T]`` ids and positions,
-      the :class:`~vllm_from_scratch.layers.attention.AttentionMetadata` every ``Attention`` layer
-      receives, ``[T, hidden_size]`` out;
-    * ``compute_logits(hidden_states) -> logits``: the LM head on the rows that sample (``None``
-      on tensor-parallel ranks other than 0);
-    * ``packed_modules_mapping``: checkpoint module name → ``(fused module, shard id)``, e.g.
-      ``{"q_proj": ("qkv_proj", "q")}``, ``{}`` if nothing is fused; other parameter names must
-      match the checkpoint's tensor names.
+    * ``__init__(config, tp_rank=0, tp_size=1, tp_group=None)``: rank ``tp_rank``'s layers for the
+      checkpoint's transformers config, built in the current default dtype and device;
+    * ``forward(input_ids, positions, attn_metadata)``: ``[T]`` ids and positions and an
+      :class:`~vllm_from_scratch.layers.attention.AttentionMetadata` in, ``[T, hidden_size]`` out;
+    * ``compute_logits(hidden_states)``: the LM head on the rows that sample (``None`` on ranks
+      other than 0);
+    * ``packed_modules_mapping``: checkpoint module name → ``(fused module, shard id)``, such as
+      ``{"q_proj": ("qkv_proj", "q")}``; other parameter names match the checkpoint's.
 
     Raises:
         ValueError: ``architecture`` is not a non-empty string, or ``cls`` is neither an
