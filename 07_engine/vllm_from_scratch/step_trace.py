@@ -1,10 +1,9 @@
 """The step trace: one JSON line per engine step, read off the engine's own objects.
 
-:class:`StepTracer` builds each record in one place from what the step already holds (the
-``SchedulerOutput``, the sampled tokens, the block manager, the scheduler's queues) and hands it
-to its sinks: a JSON lines file, the server's live ``/viz``. :func:`read_trace` parses a trace and
-names the line of any defect; :func:`check_trace` checks the book's invariants on every record.
-``docs/step_trace.md`` documents the format, every field and the invariants.
+:class:`StepTracer` builds each record from what the step already holds (the ``SchedulerOutput``,
+the sampled tokens, the block manager, the scheduler's queues) and hands it to its sinks: a JSON
+lines file, the server's live ``/viz``. :func:`read_trace` and :func:`check_trace` read a trace
+back. The format, every field and the invariants: ``docs/step_trace.md``.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,8 +147,7 @@ class StepTracer:
         }
         record.update(self._outputs(outputs))
         record.update(self._snapshot(extra_new=sched.scheduled_requests))
-        pool = self._pool(sched)
-        if pool is not None:
+        if (pool := self._pool(sched)) is not None:
             record["pool"] = pool
         self._known.difference_update(f["id"] for f in record["finished"])
         self._emit(record)
@@ -407,13 +406,11 @@ def _check_blocks(header: Record, record: Record, where: str) -> None:
     assert len(set(cached)) == len(cached) and not set(cached) & set(held), (
         f"{where}: a cached-free block is listed twice or is held"
     )
-    holders: dict[int, int] = {}
     for rid, req in record["requests"].items():
         assert len(req["blocks"]) * block_size >= req["computed"], (
             f"{where}: {rid}'s {len(req['blocks'])} blocks do not cover its {req['computed']} computed tokens"
         )
-        for b in req["blocks"]:
-            holders[b] = holders.get(b, 0) + 1
+    holders = dict(Counter(b for req in record["requests"].values() for b in req["blocks"]))
     assert holders == held, f"{where}: reference counts {held} != block-table holders {holders}"
 
 
