@@ -3,10 +3,9 @@
     python -m vllm_from_scratch.viz TRACE.jsonl -o TRACE.html
     python -m vllm_from_scratch.viz TRACE.jsonl --chrome-trace TRACE.perfetto.json --check
 
-The page replays the trace step by step; its assets (``viz_page.html``/``.css``/``.js`` beside
-this file) are inlined, so it opens offline, from a file. The server's ``/viz`` serves the same
-page, fed live (:mod:`viz_server`). What the page shows and what the Perfetto file holds:
-``docs/step_trace.md``. This module also runs the chapter demos' ``--trace`` scenarios.
+The page inlines its assets (``viz_page.html``/``.css``/``.js`` beside this file), so it opens
+offline; the server's ``/viz`` serves it fed live (:mod:`viz_server`). What the page and the
+Perfetto file show: ``docs/step_trace.md``. Also here: the chapter demos' ``--trace`` scenarios.
 """
 
 from __future__ import annotations
@@ -65,9 +64,9 @@ def chrome_trace(header: Record, records: list[Record]) -> dict:
     "engine" with a span per step and counters, process "requests" with a track per request (its
     spans: docs/step_trace.md, "Perfetto")."""
     events: list[dict] = [
-        _meta(ENGINE_PID, None, "process_name", "engine"),
-        _meta(ENGINE_PID, 0, "thread_name", "steps"),
-        _meta(REQUESTS_PID, None, "process_name", "requests"),
+        _event("M", ENGINE_PID, "process_name", args={"name": "engine"}),
+        _event("M", ENGINE_PID, "thread_name", tid=0, args={"name": "steps"}),
+        _event("M", REQUESTS_PID, "process_name", args={"name": "requests"}),
     ]
     tracks = _RequestTracks(events)
     for rec in records:
@@ -78,11 +77,11 @@ def chrome_trace(header: Record, records: list[Record]) -> dict:
         budget, blocks = rec["budget"], rec["blocks"]
         cached = len(blocks["cached_free"])
         step_args = {**budget, "running": len(rec["running"]), "waiting": len(rec["waiting"])}
-        pool = {"held": len(blocks["ref_counts"]), "cached_free": cached, "free": blocks["num_free"] - cached}
+        block_args = {"held": len(blocks["ref_counts"]), "cached_free": cached, "free": blocks["num_free"] - cached}
         events += [
-            _event("X", ENGINE_PID, f"step {rec['step']}", t, tid=0, dur=dur, args=step_args),
-            _event("C", ENGINE_PID, "tokens", t, args={k: budget[k] for k in ("prefill", "decode", "verify")}),
-            _event("C", ENGINE_PID, "blocks", t, args=pool),
+            _event("X", ENGINE_PID, f"step {rec['step']}", ts=t, tid=0, dur=dur, args=step_args),
+            _event("C", ENGINE_PID, "tokens", ts=t, args={k: budget[k] for k in ("prefill", "decode", "verify")}),
+            _event("C", ENGINE_PID, "blocks", ts=t, args=block_args),
         ]
         tracks.step(rec, t, dur)
     # Open spans end at the end record, or with the last step of a run cut short.
@@ -98,15 +97,9 @@ def _us(seconds: float) -> int:
     return int(round(seconds * 1e6))
 
 
-def _event(ph: str, pid: int, name: str, ts: int, **fields: Any) -> dict:
-    return {"ph": ph, "pid": pid, "name": name, "ts": ts, **fields}
-
-
-def _meta(pid: int, tid: int | None, name: str, value: str) -> dict:
-    event = {"ph": "M", "pid": pid, "name": name, "args": {"name": value}}
-    if tid is not None:
-        event["tid"] = tid
-    return event
+def _event(ph: str, pid: int, name: str, **fields: Any) -> dict:
+    """One trace event: phase ``ph`` ("X" span, "C" counter, "i" mark, "M" metadata) and its fields."""
+    return {"ph": ph, "pid": pid, "name": name, **fields}
 
 
 class _RequestTracks:
@@ -120,7 +113,7 @@ class _RequestTracks:
     def see(self, rec: Record) -> None:
         for new in rec["new"]:
             tid = self.tid.setdefault(new["id"], len(self.tid) + 1)
-            self.events.append(_meta(REQUESTS_PID, tid, "thread_name", new["id"]))
+            self.events.append(_event("M", REQUESTS_PID, "thread_name", tid=tid, args={"name": new["id"]}))
             self._begin(new["id"], "queued", _us(max(new["arrival"], 0.0)), {"prompt_tokens": new["prompt_tokens"]})
 
     def step(self, rec: Record, t: int, dur: int) -> None:
@@ -137,7 +130,7 @@ class _RequestTracks:
         for rid in [f["id"] for f in rec["finished"]] + rec["aborted"]:
             self._end(rid, t + dur)
             name = "aborted" if rid in rec["aborted"] else "finished"
-            self.events.append(_event("i", REQUESTS_PID, name, t + dur, tid=self.tid.get(rid, 0), s="t"))
+            self.events.append(_event("i", REQUESTS_PID, name, ts=t + dur, tid=self.tid.get(rid, 0), s="t"))
 
     def close(self, t_seconds: float) -> None:
         for rid in list(self.open):
@@ -153,7 +146,7 @@ class _RequestTracks:
         name, start, args = self.open.pop(rid)
         end = args.pop("end", ts)
         tid = self.tid.get(rid, 0)
-        self.events.append(_event("X", REQUESTS_PID, name, start, tid=tid, dur=max(end - start, 0), args=args))
+        self.events.append(_event("X", REQUESTS_PID, name, ts=start, tid=tid, dur=max(end - start, 0), args=args))
 
 
 def write_chrome_trace(trace_path: str | Path, out_path: str | Path) -> None:
@@ -262,9 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             summary = check_trace(args.trace, require_end=False)
             print(
-                f"invariants hold on {summary.steps} steps, {len(summary.requests)} requests "
-                f"({summary.preemptions} preemptions, {summary.evictions} evictions, "
-                f"{summary.prefix_hit_tokens} prefix-hit tokens, "
+                f"invariants hold on {summary.steps} steps, {len(summary.requests)} requests ({summary.preemptions} "
+                f"preemptions, {summary.evictions} evictions, {summary.prefix_hit_tokens} prefix-hit tokens, "
                 f"{summary.accepted}/{summary.drafts} drafts accepted)"
             )
     except (TraceError, OSError) as exc:
