@@ -65,11 +65,8 @@ class Redactor:
         out["requests"] = {lab(r): v for r, v in rec["requests"].items()}
         if "pool" in rec:
             pool = rec["pool"]
-            out["pool"] = {
-                "loaded": {lab(r): n for r, n in pool["loaded"].items()},
-                "published": {lab(r): n for r, n in pool["published"].items()},
-                "totals": pool["totals"],
-            }
+            out["pool"] = {key: {lab(r): n for r, n in pool[key].items()} for key in ("loaded", "published")}
+            out["pool"]["totals"] = pool["totals"]
         for rid in [f["id"] for f in rec.get("finished", [])] + rec.get("aborted", []):
             self._labels.pop(rid, None)  # the label dies with the request
         return out
