@@ -6,10 +6,8 @@
 * ``GET  /health``               200 while the engine loop lives, 503 once it died;
 * ``GET  /metrics``              Prometheus text with vLLM's metric names.
 
-Two guards stand in front of every route, as ASGI middleware (they answer before FastAPI reads,
-parses or validates anything): with an API key, every path but ``/health`` and ``/metrics``
-needs ``Authorization: Bearer <key>`` (401 otherwise); and a request body over the size limit
-is refused with a 413 unread, so no client can make the server parse megabytes of JSON.
+Two guards, ASGI middleware in front of every route, answer before FastAPI reads the body: the
+API key (:class:`APIKeyMiddleware`) and the size limit (:class:`RequestSizeLimitMiddleware`).
 """
 
 from __future__ import annotations
@@ -91,9 +89,7 @@ def build_app(
             llm.shutdown()
 
     app = FastAPI(title="vllm-from-scratch", lifespan=lifespan)
-    app.state.llm = llm
     app.state.serving = serving
-    app.state.metrics = metrics
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
@@ -221,8 +217,10 @@ class RequestSizeLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        declared = Headers(scope=scope).get("content-length", "")
+        declared_too_large = declared.isdigit() and int(declared) > self.max_bytes
         try:
-            body = None if self._declared_too_large(scope) else await read_body(receive, self.max_bytes)
+            body = None if declared_too_large else await read_body(receive, self.max_bytes)
         except ClientDisconnect:
             return  # the client left mid-upload: nobody to answer
         if body is None:
@@ -231,26 +229,19 @@ class RequestSizeLimitMiddleware:
             return
         await self.app(scope, replay(body, receive), send)
 
-    def _declared_too_large(self, scope: Scope) -> bool:
-        declared = Headers(scope=scope).get("content-length", "")
-        return declared.isdigit() and int(declared) > self.max_bytes
-
 
 async def read_body(receive: Receive, max_bytes: int) -> bytes | None:
     """The request body, or None as soon as it passes ``max_bytes``."""
-    chunks: list[bytes] = []
-    size = 0
+    body = bytearray()
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientDisconnect()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > max_bytes:
+        body += message.get("body", b"")
+        if len(body) > max_bytes:
             return None
-        chunks.append(chunk)
         if not message.get("more_body", False):
-            return b"".join(chunks)
+            return bytes(body)
 
 
 def replay(body: bytes, receive: Receive) -> Receive:

@@ -98,8 +98,6 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
-    # ---- lifecycle -------------------------------------------------------------------------
-
     def start(self) -> None:
         self._thread.start()
 
@@ -114,8 +112,6 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.error is None
-
-    # ---- called from the asyncio side --------------------------------------------------------
 
     async def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
@@ -138,7 +134,7 @@ class AsyncLLM:
         """Ask the engine loop to abort ``request_id`` (no-op if it already finished)."""
         self._commands.put(_Abort(request_id))
 
-    # ---- the engine thread ----------------------------------------------------------------
+    # ---- the engine thread runs everything below -------------------------------------------
 
     def _run(self) -> None:
         try:

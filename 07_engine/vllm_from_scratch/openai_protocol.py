@@ -4,8 +4,7 @@ The models check the JSON's *shape*; its *values* are the engine's to judge (``S
 and ``LLMEngine.make_request``), so each rule is written once. Fields the OpenAI API defines but
 this engine cannot honour (``n > 1``, ``logprobs``, penalties, tools, ...) are refused with a 400
 naming the field, not silently ignored: a client that asks for three samples and gets one has a
-bug it cannot see. vLLM's extra knobs (``top_k``, ``ignore_eos``, ``stop_token_ids``,
-``priority``) travel as extra body fields (the openai client's ``extra_body=``).
+bug it cannot see.
 """
 
 from __future__ import annotations
@@ -90,7 +89,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, Any] | None = None  # refused whatever it holds
     user: str | None = None
-    # vLLM's extra body fields.
+    # vLLM's extra body fields (the openai client sends them with extra_body=).
     top_k: int | None = None
     ignore_eos: bool = False
     stop_token_ids: FirstErrorList[int] | None = None
@@ -177,6 +176,8 @@ def _is_token_ids(prompt: list[int] | list[str] | list[list[int]]) -> TypeIs[lis
 
 
 class ChatMessage(BaseModel):
+    """One entry of ``messages``; fields this server does not read (``name``, ...) pass through."""
+
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -188,12 +189,10 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
         for part in self.content:
             if part.get("type") != "text":
                 raise APIError(f"content part type {part.get('type')!r} is not supported (text only)", param="messages")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        return "".join(str(part.get("text", "")) for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):

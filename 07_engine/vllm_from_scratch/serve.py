@@ -23,10 +23,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Serve a model over the OpenAI API (completions, chat, SSE streaming, /health, /metrics)."
     )
     parser.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)",
+        "model", nargs="?", help="Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
@@ -36,7 +33,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.add_argument(
         "--api-key",
-        default=None,
         help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
         "(default: the VLLM_API_KEY environment variable, which keeps the key out of "
         "the process list; neither: no key)",
@@ -44,7 +40,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--max-request-bytes",
         type=positive_int,
-        default=None,
         help="refuse larger request bodies with a 413 before parsing them (default: "
         "128 bytes per token of --max-model-len, plus 64 KiB)",
     )
@@ -94,13 +89,9 @@ def main(argv: list[str] | None = None) -> None:
             args.host,
             args.port,
         )
-    app = build_app(
-        engine,
-        args.served_model_name or Path(model_dir).name,
-        tokenizer=AutoTokenizer.from_pretrained(model_dir),
-        api_key=api_key,
-        max_request_bytes=args.max_request_bytes,
-    )
+    name = args.served_model_name or Path(model_dir).name
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    app = build_app(engine, name, tokenizer=tokenizer, api_key=api_key, max_request_bytes=args.max_request_bytes)
     auth = "API key required" if api_key else "no API key"
     log.info("serving %s on http://%s:%d/v1 (%s)", model_dir, args.host, args.port, auth)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

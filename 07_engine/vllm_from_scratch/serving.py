@@ -1,9 +1,8 @@
 """The OpenAI endpoints' logic: a request body in, engine requests out, a response back.
 
-The engine validates: the body becomes token ids and a :class:`SamplingParams`, and what the
-engine refuses comes back as a :class:`ParameterError`, a 400 whose ``param`` names the field.
-All work that grows with the body (sampling checks, chat template, tokenization, prompt checks)
-runs in worker threads, never on the event loop that streams the other clients' tokens.
+The body becomes token ids and a :class:`SamplingParams`, checked by the engine's own code (its
+:class:`ParameterError` becomes a 400 naming the field), in worker threads: never on the event
+loop that streams the other clients' tokens.
 """
 
 from __future__ import annotations
@@ -114,15 +113,12 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise APIError("cannot apply the chat template: this checkpoint has no tokenizer", param="messages")
         try:
-            # tokenize=False renders one conversation to its text; transformers types the return
-            # of every mode of the call at once.
-            text = cast(
-                str, self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-            )
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - a template error is the messages' fault
             raise APIError(f"cannot apply the chat template: {exc}", param="messages") from exc
-        # The template already wrote the special tokens (BOS, role markers).
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        # tokenize=False returns the text (transformers types every mode's return at once); the
+        # template already wrote the special tokens (BOS, role markers).
+        return list(self.tokenizer.encode(cast(str, text), add_special_tokens=False))
 
     async def start(
         self, base_id: str, prompts: list[list[int]], params: SamplingParams, body: OpenAIRequest
@@ -202,8 +198,8 @@ def lowest_cpu_priority() -> None:
     """Give the calling thread the lowest CPU priority (nice 19; on Linux niceness is per thread).
 
     Tokenizing a body near the size limit is most of a CPU-second of Rust that does not hold the
-    GIL: a thread keeps the event loop free but still takes a core from the engine's forward
-    pass (on 2 cores, three such bodies slowed a running stream to a token every 0.6 s).
+    GIL: it leaves the event loop free but takes a core from the engine's forward pass (on 2
+    cores, three such bodies slowed a running stream to a token every 0.6 s).
     """
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
