@@ -185,7 +185,7 @@ def test_each_tensor_parallel_rank_loads_its_own_shard(tiny_llama_dir):
 def test_the_proxy_asks_for_the_api_key_as_the_server_does():
     from fastapi.testclient import TestClient
 
-    from disagg_proxy import build_proxy
+    from vllm_from_scratch.disagg_proxy import build_proxy
 
     # Nothing listens on these ports: a request the key lets through fails upstream, not with 401.
     app = build_proxy(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], api_key="sesame")
