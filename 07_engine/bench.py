@@ -372,12 +372,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "workload and --hf-batch-sizes",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="bfloat16", help="engine dtype (and vLLM's, with --peer)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="engine dtype (and vLLM's, with --peer); auto: the engine's rule, bfloat16 where the CPU has it natively",
+    )
     parser.add_argument(
         "--hf-dtypes",
         nargs="*",
-        default=["bfloat16"],
-        help="transformers dtypes (float32 is what it loads this checkpoint in by default; always slower here)",
+        default=["float32", "bfloat16"],
+        help="transformers dtypes; the ratio is taken against the faster (which one depends on the CPU)",
     )
     parser.add_argument(
         "--hf-batch-sizes",
@@ -496,8 +500,10 @@ def main(argv: list[str] | None = None) -> None:
     python = vllm_python(args.vllm_venv) if args.peer == "vllm" else None  # fail before any work
 
     from vllm_from_scratch import default_model_dir
+    from vllm_from_scratch.loader import resolve_dtype
 
     model_dir = args.model or default_model_dir()
+    args.dtype = str(resolve_dtype(args.dtype, "cpu")).removeprefix("torch.")  # labels and vLLM need a name
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_from_scratch.loader import resolve_dtype
+
 HERE = Path(__file__).parent
 
 
@@ -31,7 +33,7 @@ def test_scripts_have_help(script):
 
 @pytest.mark.slow
 def test_bench_runs_both_sides_and_writes_json(tiny_llama_dir, tmp_path):
-    # A tiny checkpoint and workload: this checks the script's plumbing, not a speed.
+    # A tiny checkpoint and workload: this checks the script's plumbing and defaults, not a speed.
     out_json = tmp_path / "bench.json"
     cmd = [
         sys.executable,
@@ -51,9 +53,6 @@ def test_bench_runs_both_sides_and_writes_json(tiny_llama_dir, tmp_path):
         "3",
         "--threads",
         "1",
-        "--hf-dtypes",
-        "float32",
-        "bfloat16",
         "--json",
         str(out_json),
     ]
@@ -64,7 +63,8 @@ def test_bench_runs_both_sides_and_writes_json(tiny_llama_dir, tmp_path):
     assert report["machine"]["torch_threads"] == 1
     assert report["workload"]["num_requests"] == 3
     systems = [row["system"] for row in report["rows"]]
-    assert systems[0] == "engine bfloat16"
+    auto = str(resolve_dtype("auto", "cpu")).removeprefix("torch.")  # the engine's default, decided by the CPU
+    assert systems[0] == f"engine {auto}"
     assert systems[1:] == [f"transformers {d} (batch {b}, left pad)" for d in ("float32", "bfloat16") for b in (2, 3)]
     assert all(row["output_tokens_per_s"] > 0 for row in report["rows"])
     best = max(row["output_tokens_per_s"] for row in report["rows"][1:])

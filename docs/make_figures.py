@@ -246,7 +246,7 @@ RECIPES = [
         "ignore_eos. The engine takes them all at once (continuous batching); transformers runs "
         "left-padded static batches of 16, 32, 64 and 128, one after another. Throughput = "
         "requested output tokens / wall time.",
-        ["07_engine/bench.py", "--hf-batch-sizes", "16", "32", "64", "128"],
+        ["07_engine/bench.py", *"--dtype bfloat16 --hf-dtypes bfloat16 --hf-batch-sizes 16 32 64 128".split()],
         plot_engine_throughput,
         timeout_s=1800,
     ),
