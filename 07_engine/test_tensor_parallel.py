@@ -491,6 +491,33 @@ def test_llm_tp2_greedy_equals_transformers(arch, tiny_llama_dir, tiny_qwen3_dir
     assert not dist.is_initialized()
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < TP, reason=f"NCCL tensor parallelism needs {TP} GPUs")
+def test_llm_tp2_over_nccl_greedy_equals_transformers(tiny_llama_dir):
+    """The GPU path of the test above: one rank per GPU, NCCL all-reduces, CUDA graphs captured on
+    every rank; greedy output equals transformers' (run on the CPU in float32) token for token."""
+    from test_engine_parity import BLOCK, GREEDY, assert_no_leak, hf_greedy, make_prompts
+    from vllm_from_scratch import LLM
+
+    llm = LLM(tiny_llama_dir, tensor_parallel_size=TP, device="cuda", dtype="float32", kvcache_block_size=BLOCK)
+    prompts = make_prompts(0)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out["token_ids"] == hf_greedy(tiny_llama_dir, tuple(prompt)), f"prompt of {len(prompt)} tokens"
+    assert_no_leak(llm)
+    llm.shutdown()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() >= TP, reason=f"checks the error raised with fewer than {TP} GPUs")
+def test_tp_on_too_few_gpus_is_refused_before_any_worker_starts(tiny_llama_dir):
+    from vllm_from_scratch import LLM
+
+    with pytest.raises(ValueError, match=f"world_size={TP} needs {TP} GPUs"):
+        LLM(tiny_llama_dir, tensor_parallel_size=TP, device="cuda", dtype="float32")
+
+
 def test_bench_tensor_parallel_help():
     script = Path(__file__).parent / "bench_tensor_parallel.py"
     out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
