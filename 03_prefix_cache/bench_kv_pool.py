@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from global_kv_pool import EmbeddedKVPool, GlobalKVPool, MooncakeKVPool, serialize_block
+from machine import load_average, machine_line
 from mooncake_launcher import MooncakeClient, MooncakeMaster, mooncake_unavailable_reason
 from prefix_cache_local import hash_block_chain
 
@@ -87,7 +88,7 @@ def main() -> None:
     block_bytes = 2 * args.layers * args.block_size * args.kv_heads * args.head_dim * itemsize
     print(
         f"one block = {block_bytes / 1024:.0f} KiB ({args.layers} layers, {args.block_size} tokens, "
-        f"{args.kv_heads} KV heads x {args.head_dim}, {args.dtype})"
+        f"{args.kv_heads} KV heads x {args.head_dim}, {args.dtype})\n{machine_line()}; load average {load_average()}"
     )
 
     results = {}

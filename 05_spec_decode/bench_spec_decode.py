@@ -20,6 +20,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from machine import load_average, machine_line
 from proposers import DraftModelProposer, HFCausalLM, NgramProposer, make_truncated_draft
 from spec_decode import speculative_generate
 
@@ -116,7 +117,7 @@ def main() -> None:
 
     print(
         f"\nSmolLM2-135M-Instruct float32 target, greedy, batch 1, {args.max_new_tokens} new "
-        f"tokens, torch threads {torch.get_num_threads()}"
+        f"tokens\n{machine_line()}; load average {load_average()}"
     )
     print("workload | proposer            | k | acceptance | tokens/forward | time s | tok/s  | speed-up | same output")
     print("---------|---------------------|---|------------|----------------|--------|--------|----------|------------")

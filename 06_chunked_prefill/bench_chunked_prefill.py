@@ -16,7 +16,6 @@ runs ``--repeats`` times (alternating) and the table shows medians. Also saves a
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from tqdm import tqdm
 
 from chunked_prefill import ChunkedPrefillScheduler
 from chunked_toy_model import ToyRunner, ToyTransformer
+from machine import load_average, machine_line
 from scheduler import Request, Scheduler
 
 HERE = Path(__file__).parent
@@ -157,8 +157,7 @@ def main(argv=None) -> dict:
     print(
         f"toy model: hidden {args.hidden}, {args.layers} layers, {args.heads} heads; {args.num_decoders} "
         f"decoding requests; a {args.long_prompt}-token prompt arrives at step {args.arrive_step}; "
-        f"medians of {args.repeats} runs; {os.cpu_count()}-core CPU, {args.threads} torch thread(s), "
-        f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}"
+        f"medians of {args.repeats} runs; torch {torch.__version__}\n{machine_line()}; load average {load_average()}"
     )
     head = (
         "mode",

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import subprocess
 import tempfile
@@ -47,10 +46,10 @@ from pathlib import Path
 
 import torch
 
+from machine import cpu_flags, cpu_name, load_average, machine_line
+
 HERE = Path(__file__).resolve().parent
 VLLM_VENV = HERE.parent / ".venv-vllm"
-# The CPU features that decide which dtype is fast (bf16 in hardware or emulated).
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
 def make_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int], vocab: int, seed: int):
@@ -151,34 +150,6 @@ def make_qwen3_06b_shaped(path: str) -> str:
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     return path
-
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
-def cpu_flags() -> dict[str, bool]:
-    """Which of ``CPU_FLAGS`` /proc/cpuinfo lists (all False where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return {name: name in flags for name in CPU_FLAGS}
-
-
-def machine_line() -> str:
-    """CPU model, cores, the flags that matter for the dtype, torch threads: printed with every table."""
-    flags = " ".join(f"{name}{'' if on else ' (no)'}" for name, on in cpu_flags().items())
-    return f"{cpu_name()}, {os.cpu_count()} cores; {flags}; torch threads {torch.get_num_threads()}"
 
 
 def machine_info(load_before: str) -> dict:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from bench import cpu_name, load_average
+from machine import cpu_name, load_average
 from vllm_from_scratch import SamplingParams, default_model_dir
 from vllm_from_scratch.engine import LLMEngine
 

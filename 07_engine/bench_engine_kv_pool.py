@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(HERE.parent / "03_prefix_cache"))
     from transformers import AutoConfig
 
-    from bench import cpu_name, load_average
+    from machine import cpu_name, load_average
     from mooncake_launcher import MooncakeClient, MooncakeMaster
     from vllm_from_scratch import default_model_dir
 

@@ -28,8 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import VLLM_VENV, LoadWatch, load_average, machine_info, machine_line, vllm_bindings, vllm_python
+from bench import VLLM_VENV, LoadWatch, machine_info, vllm_bindings, vllm_python
 from load_generator import served_model
+from machine import load_average, machine_line
 from server_testing import ServerProcess
 
 HERE = Path(__file__).resolve().parent

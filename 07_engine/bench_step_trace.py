@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from bench import cpu_name, load_average, make_workload
+from bench import make_workload
+from machine import cpu_name, load_average
 
 
 def run(model_dir: str, prompts, outputs, trace_path: str | None, **engine_kwargs) -> dict:

@@ -14,12 +14,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import pickle
 import tempfile
 import time
 
 import torch
+
+from machine import load_average, machine_line
 
 
 def build_checkpoint(path: str, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int) -> str:
@@ -44,11 +45,8 @@ def build_checkpoint(path: str, layers: int, hidden: int, heads: int, kv_heads: 
 
 
 def machine() -> str:
-    """Cores, threads and load: on a shared machine the load explains most of the spread."""
-    return (
-        f"{len(os.sched_getaffinity(0))} cores, torch threads {torch.get_num_threads()} (rank 0 before "
-        f"the split), load average {os.getloadavg()[0]:.1f}"
-    )
+    """The machine line, and the load: on a shared machine the load explains most of the spread."""
+    return f"{machine_line()} (rank 0, before the split); load average {load_average()}"
 
 
 class CommRunner:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import bench
+import machine
 
 HERE = Path(__file__).resolve().parent
 
@@ -104,7 +105,7 @@ def test_one_table_holds_engine_transformers_and_both_vllm_runs(fake_venv, monke
     assert "VLLM::Worker" in text, "where vLLM's threads ran is printed"
     report = json.loads(out.read_text())
     assert [r["system"] for r in report["rows"]] == list(table)
-    assert report["machine"]["cpu_flags"].keys() == set(bench.CPU_FLAGS)
+    assert report["machine"]["cpu_flags"].keys() == set(machine.CPU_FLAGS)
     assert report["rows"][0]["details"] == {"startup_s": 2.5}
     assert report["rows"][3]["details"]["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
 

@@ -79,6 +79,21 @@ def test_bad_engine_arguments(tiny_llama_dir, kwargs, name):
         LLMEngine(tiny_llama_dir, **kwargs)
 
 
+@pytest.mark.parametrize("native_bf16, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_dtype_auto_on_a_cpu_is_bfloat16_only_where_it_is_native(monkeypatch, tiny_llama_dir, native_bf16, expected):
+    from vllm_from_scratch import loader
+
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native_bf16)
+    loader._auto_dtype.cache_clear()  # the choice is made (and logged) once per process
+    try:
+        for dtype in ("auto", None):
+            assert loader.resolve_dtype(dtype, "cpu") == expected
+        engine = LLMEngine(tiny_llama_dir, device="cpu", num_kvcache_blocks=8, warm_up=False)
+        assert engine.config.torch_dtype == expected
+    finally:
+        loader._auto_dtype.cache_clear()
+
+
 def test_streaming_outputs_add_up(llm, tiny_llama_dir):
     engine = llm.llm_engine
     prompt = make_prompts(10, (11,))[0]

@@ -22,7 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench import LoadWatch  # bench.py sits beside this file: sys.path[0]
+# bench.py sits beside this file (sys.path[0]); the machine.py it imports is chapter 01's, which
+# vLLM's virtualenv does not have installed.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "01_paged_kv"))
+from bench import LoadWatch  # noqa: E402
 
 
 def process_tree() -> list:

@@ -18,23 +18,12 @@ from safetensors import safe_open
 from torch.distributed import ProcessGroup
 from transformers import AutoConfig, PretrainedConfig
 
+from machine import cpu_has_native_bf16
 from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.models import get_model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger(__name__)
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 in hardware (AVX-512 BF16 or AMX); emulated bfloat16
-    on an AVX2-only CPU runs several times slower than float32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str = "cpu") -> torch.dtype:
