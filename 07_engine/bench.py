@@ -11,7 +11,9 @@ nothing for continuous batching to exploit).
 
 ``--gpu``: nano-vllm's bench.py workload (256 sequences, input and output lengths uniform in
 [100, 1024], temperature 0.6, ignore_eos) on a random checkpoint shaped like Qwen3-0.6B, built
-with transformers (no hub), eager and with CUDA graphs.
+with transformers (no hub), eager and with CUDA graphs, on the engine and on nano-vllm itself,
+run from its source (``--nano-vllm DIR``, found at ``shared/peers/nano-vllm`` where it exists) by
+``nanovllm_peer_runner.py`` on the same prompts; the ratio column is against nano-vllm's best.
 
 Throughput counts the tokens that were asked for (sum of max_tokens) over wall time, for both
 sides: transformers pads every request of a batch to the longest output, and that waste is its
@@ -35,10 +37,12 @@ stops waiting and measures anyway, and the table marks those rows.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -50,6 +54,9 @@ from machine import cpu_flags, cpu_name, load_average, machine_line
 
 HERE = Path(__file__).resolve().parent
 VLLM_VENV = HERE.parent / ".venv-vllm"
+# nano-vllm's source (never copied into the book): beside the repository here, inside the
+# device machine's copy of the working tree.
+NANO_VLLM_DIRS = (HERE.parent.parent / "shared" / "peers" / "nano-vllm", HERE.parent / "shared" / "peers" / "nano-vllm")
 
 
 def make_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int], vocab: int, seed: int):
@@ -149,6 +156,13 @@ def make_qwen3_06b_shaped(path: str) -> str:
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
+    # nano-vllm loads a tokenizer even for token-id prompts; any will do (ids past its vocabulary
+    # decode to nothing), so the default model's is copied beside the weights.
+    from transformers import AutoTokenizer
+
+    from vllm_from_scratch import default_model_dir
+
+    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(path)
     return path
 
 
@@ -274,11 +288,16 @@ def bench_vllm(
 
 
 def print_table(
-    rows: list[tuple[str, float]], baseline: float | None, peer: float | None = None, loads: list[dict] | None = None
+    rows: list[tuple[str, float]],
+    baseline: float | None,
+    peer: float | None = None,
+    loads: list[dict] | None = None,
+    peer_name: str = "vLLM",
 ) -> None:
-    """One line per system: tok/s, ratio to the best transformers run (and the best vLLM run),
-    and the load average before → after its timed run (* where waiting for quiet gave up)."""
-    peer_head = f"{'vs vLLM':>10}" if peer else ""
+    """One line per system: tok/s, ratio to the best transformers run (and the best run of the
+    peer, vLLM or nano-vllm), and the load average before → after its timed run (* where waiting
+    for quiet gave up)."""
+    peer_head = f"{'vs ' + peer_name:>14}" if peer else ""
     load_head = f"  {'load before -> after':<24}" if loads else ""
     print(f"\n{'system':<46}{'output tok/s':>14}{'vs transformers':>18}{peer_head}{load_head}")
     print("-" * (78 + len(peer_head) + len(load_head)))
@@ -286,7 +305,7 @@ def print_table(
         ratio = f"{tps / baseline:.2f}x" if baseline else "-"
         line = f"{name:<46}{tps:>14.1f}{ratio:>18}"
         if peer:
-            line += f"{tps / peer:>9.2f}x"
+            line += f"{tps / peer:>13.2f}x"
         if loads:
             rec = loads[i]
             gave_up = "*" if rec.get("quiet") is False else ""
@@ -305,6 +324,7 @@ def write_json(
     peer: float | None = None,
     loads: list[dict] | None = None,
     details: dict[str, dict] | None = None,
+    peer_name: str = "vLLM",
 ) -> None:
     report = {
         "machine": machine_info(load_before),
@@ -318,7 +338,7 @@ def write_json(
             "vs_transformers": round(tps / baseline, 3) if baseline else None,
         }
         if peer:
-            row["vs_vllm"] = round(tps / peer, 3)
+            row["vs_" + peer_name.lower().replace("-", "_")] = round(tps / peer, 3)
         if loads:
             row["load"] = loads[i]
         if details and name in details:
@@ -415,6 +435,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=45.0,
         help="total minutes to wait for quiet in one run before measuring anyway",
     )
+    parser.add_argument(
+        "--nano-vllm",
+        type=Path,
+        default=next((d for d in NANO_VLLM_DIRS if (d / "nanovllm").is_dir()), None),
+        metavar="DIR",
+        help="with --gpu: nano-vllm's source, run beside the engine (default: shared/peers/nano-vllm "
+        "beside or inside the repository, where it exists)",
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON")
     args = parser.parse_args(argv)
     if args.hf_batch_sizes and min(args.hf_batch_sizes) < 1:
@@ -428,21 +456,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def bench_nanovllm(
+    nano_vllm_dir: Path, model_dir: str, prompts, outputs, temperature: float, enforce_eager: bool
+) -> dict:
+    """nano-vllm's output tok/s on the workload, run by ``nanovllm_peer_runner.py`` from its source
+    directory in a process of its own; returns the runner's report."""
+    with tempfile.TemporaryDirectory(prefix="nanovllm-peer-") as tmp:
+        spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        workload = {"model": model_dir, "prompts": prompts, "outputs": outputs, "temperature": temperature}
+        settings = {"enforce_eager": enforce_eager, "max_model_len": 4096}
+        spec.write_text(json.dumps({"nano_vllm_dir": str(nano_vllm_dir), **workload, **settings}))
+        runner = HERE / "nanovllm_peer_runner.py"
+        done = subprocess.run([sys.executable, str(runner), str(spec), str(result)])
+        if done.returncode != 0:
+            raise RuntimeError(f"nanovllm_peer_runner.py exited with {done.returncode} (its output is above)")
+        return json.loads(result.read_text())
+
+
 def run_gpu(args: argparse.Namespace, load_before: str) -> None:
-    """nano-vllm's workload on a random Qwen3-0.6B-shaped checkpoint, eager and with CUDA graphs."""
+    """nano-vllm's workload on a random Qwen3-0.6B-shaped checkpoint, eager and with CUDA graphs,
+    on the engine and on nano-vllm itself (where its source is found)."""
     model_dir = args.model or make_qwen3_06b_shaped(tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
     prompts, outputs = make_workload(256, (100, 1024), (100, 1024), 10000, args.seed)
-    rows = []
+    rows, peer = [], []
     for eager in (True, False):
+        mode = "eager" if eager else "CUDA graphs"
+        # nano-vllm first: its process exits and returns all its memory before the engine sizes its
+        # KV cache, and the engine's is released (below) before the next nano-vllm run sizes its own.
+        if args.nano_vllm is not None:
+            report = bench_nanovllm(args.nano_vllm, model_dir, prompts, outputs, 0.6, eager)
+            peer.append((f"nano-vllm bf16 ({mode})", report["output_tokens_per_s"]))
         (tps,), _ = bench_engine(
             model_dir, prompts, outputs, 0.6, max_model_len=4096, enforce_eager=eager, dtype="bfloat16"
         )
-        rows.append((f"engine bf16 ({'eager' if eager else 'CUDA graphs'})", tps))
+        rows.append((f"engine bf16 ({mode})", tps))
+        gc.collect()
+        torch.cuda.empty_cache()
     print(
         f"\n{torch.cuda.get_device_name()}, Qwen3-0.6B-shaped random weights, 256 seqs, in/out 100-1024; "
         f"host {machine_line()}; load average before {load_before}, after {load_average()}"
     )
-    print_table(rows, None)
+    if args.nano_vllm is None:
+        print(f"nano-vllm not run: no source at {', '.join(map(str, NANO_VLLM_DIRS))} (pass --nano-vllm DIR)")
+    best_peer = max((t for _, t in peer), default=None)
+    print_table(rows + peer, None, best_peer, peer_name="nano-vllm")
     if args.json:
         write_json(
             args.json,
@@ -453,9 +510,11 @@ def run_gpu(args: argparse.Namespace, load_before: str) -> None:
                 "output_len": [100, 1024],
                 "temperature": 0.6,
             },
-            rows,
+            rows + peer,
             None,
             load_before,
+            best_peer,
+            peer_name="nano-vllm",
         )
 
 

@@ -81,6 +81,8 @@ def test_one_table_holds_engine_transformers_and_both_vllm_runs(fake_venv, monke
         [
             "--peer",
             "vllm",
+            "--dtype",
+            "bfloat16",
             "--vllm-venv",
             str(fake_venv),
             "--num-requests",
@@ -107,7 +109,8 @@ def test_one_table_holds_engine_transformers_and_both_vllm_runs(fake_venv, monke
     assert [r["system"] for r in report["rows"]] == list(table)
     assert report["machine"]["cpu_flags"].keys() == set(machine.CPU_FLAGS)
     assert report["rows"][0]["details"] == {"startup_s": 2.5}
-    assert report["rows"][3]["details"]["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    bound = next(r for r in report["rows"] if r["system"] == "vLLM 0.32.0 CPU bfloat16 (all-cores-bound)")
+    assert bound["details"]["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
 
 
 @pytest.mark.slow
@@ -179,3 +182,68 @@ def test_bench_serving_compares_our_server_with_the_best_vllm_serve(capsys):
     }
     flags = bench_serving.client_flags("http://h", "m", "tok", bench_serving.parse_args([]), 7, 64, None)
     assert flags[flags.index("--seed") + 1] == "7" and "--ignore-eos" in flags and "--save-result" not in flags
+
+
+# ---- bench.py --gpu beside nano-vllm: the runner's wiring, with a stand-in for nano-vllm's source
+
+# nano-vllm's public surface as its bench.py uses it; the model directory records what LLM got.
+FAKE_NANOVLLM = """
+import json, os
+
+
+class SamplingParams:
+    def __init__(self, temperature=1.0, max_tokens=64, ignore_eos=False):
+        assert temperature > 1e-10, "greedy sampling is not permitted"
+        self.temperature, self.max_tokens, self.ignore_eos = temperature, max_tokens, ignore_eos
+
+
+class LLM:
+    def __init__(self, model, **kwargs):
+        self.model = model
+        with open(os.path.join(model, "llm_kwargs.json"), "w") as f:
+            json.dump(kwargs, f)
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params] * len(prompts)
+        assert all(sp.ignore_eos and sp.temperature == 0.6 for sp in sampling_params) or len(prompts) == 1
+        return [{{"text": "", "token_ids": [7] * (sp.max_tokens - {short})}} for sp in sampling_params]
+"""
+
+
+def fake_nano_vllm(root: Path, short: int = 0) -> Path:
+    (root / "nanovllm").mkdir(parents=True)
+    (root / "nanovllm" / "__init__.py").write_text(FAKE_NANOVLLM.format(short=short))
+    return root
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_bench_nanovllm_runs_the_workload_from_nano_vllms_source(tmp_path, eager):
+    source, model = fake_nano_vllm(tmp_path / "nano-vllm"), tmp_path / "model"
+    model.mkdir()
+    report = bench.bench_nanovllm(source, str(model), [[1, 2, 3], [4] * 20], [5, 9], 0.6, eager)
+    assert report["output_tokens_per_s"] > 0 and report["elapsed_s"] > 0
+    assert report["settings"] == {"enforce_eager": eager, "max_model_len": 4096}
+    assert json.loads((model / "llm_kwargs.json").read_text()) == report["settings"]
+
+
+def test_bench_nanovllm_refuses_outputs_shorter_than_asked(tmp_path):
+    source, model = fake_nano_vllm(tmp_path / "nano-vllm", short=1), tmp_path / "model"
+    model.mkdir()
+    with pytest.raises(RuntimeError, match="nanovllm_peer_runner.py exited"):
+        bench.bench_nanovllm(source, str(model), [[1, 2, 3]], [5], 0.6, True)
+
+
+def test_the_gpu_table_names_nano_vllm_and_takes_the_ratio_to_its_best_run(capsys, tmp_path):
+    rows = [
+        ("engine bf16 (CUDA graphs)", 300.0),
+        ("nano-vllm bf16 (eager)", 100.0),
+        ("nano-vllm bf16 (CUDA graphs)", 200.0),
+    ]
+    bench.print_table(rows, None, 200.0, peer_name="nano-vllm")
+    out = capsys.readouterr().out
+    assert "vs nano-vllm" in out and "1.50x" in out
+    bench.write_json(str(tmp_path / "gpu.json"), {}, rows, None, "0 0 0", 200.0, peer_name="nano-vllm")
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    assert [row["vs_nano_vllm"] for row in report["rows"]] == [1.5, 0.5, 1.0]
+    assert bench.parse_args(["--gpu", "--nano-vllm", str(tmp_path)]).nano_vllm == tmp_path

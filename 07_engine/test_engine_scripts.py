@@ -25,7 +25,7 @@ def test_demo_chats_offline():
     assert "prefix-cache hits" in out.stdout
 
 
-@pytest.mark.parametrize("script", ["demo.py", "bench.py", "bench_chapters.py"])
+@pytest.mark.parametrize("script", ["demo.py", "bench.py", "bench_chapters.py", "nanovllm_peer_runner.py"])
 def test_scripts_have_help(script):
     out = subprocess.run([sys.executable, str(HERE / script), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "usage" in out.stdout
