@@ -114,6 +114,22 @@ if HAS_TRITON:
         return tl.load(cache_ptr + offs, mask=valid[:, None] & d_mask[None, :], other=0.0)
 
     @triton.jit
+    def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale, UPCAST: tl.constexpr):
+        # One tile of keys and values folded into the rows' running softmax: max ``m_i``, denominator
+        # ``l_i`` and weighted values ``acc``; ``visible`` says which keys each row of ``q`` may see.
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # fp32 accumulate
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)  # 0 on the first tile (m_i = -inf): nothing to rescale yet
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        return m_new, l_i, acc
+
+    @triton.jit
     def _paged_decode_kernel(
         q_ptr,
         k_cache_ptr,
@@ -192,18 +208,8 @@ if HAS_TRITON:
                 stride_bt,
                 BLOCK_SIZE,
             )
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
             # The group's query rows (padded to 16, tl.dot's minimum) against the tile's keys.
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)  # 0 on the first tile (m_i = -inf): nothing to rescale yet
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, scale, UPCAST)
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -301,21 +307,11 @@ if HAS_TRITON:
                 stride_bt,
                 BLOCK_SIZE,
             )
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N], fp32 accumulate
             visible = valid[None, :]
             if CAUSAL:
                 visible = visible & (pos[None, :] <= q_pos[:, None])
-            s = tl.where(visible, s, float("-inf"))
             # Key 0 is visible to every row, so after the first tile m_i is finite for all rows.
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale, UPCAST)
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
