@@ -349,6 +349,34 @@ def write_json(
     print(f"wrote {path}")
 
 
+def add_peer_args(parser: argparse.ArgumentParser, bindings_help: str) -> None:
+    """The flags bench.py and bench_serving.py share: where vLLM is and how it runs, and how
+    long to wait for a quiet machine."""
+    parser.add_argument(
+        "--vllm-bindings", nargs="+", default=list(vllm_bindings()), choices=list(vllm_bindings()), help=bindings_help
+    )
+    parser.add_argument(
+        "--vllm-venv",
+        type=Path,
+        default=VLLM_VENV,
+        help="vLLM's virtualenv (default: .venv-vllm, built by 07_engine/make_vllm_venv.sh)",
+    )
+    parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for vLLM")
+    parser.add_argument(
+        "--quiet-below",
+        type=float,
+        default=None,
+        metavar="LOAD",
+        help="before each timed run, wait until the 1-minute load average is below LOAD",
+    )
+    parser.add_argument(
+        "--quiet-timeout-min",
+        type=float,
+        default=45.0,
+        help="total minutes to wait for quiet in one run before measuring anyway",
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true", help="nano-vllm's workload on a Qwen3-0.6B-shaped model (CUDA)")
@@ -396,13 +424,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also run vLLM's CPU build (its defaults, then all cores bound) on the workload",
     )
     parser.add_argument(
-        "--vllm-bindings",
-        nargs="+",
-        default=list(vllm_bindings()),
-        choices=list(vllm_bindings()),
-        help="vLLM thread layouts to run with --peer vllm (default: both)",
-    )
-    parser.add_argument(
         "--passes",
         type=int,
         default=1,
@@ -415,26 +436,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="the engine's start-up warm-up (EngineConfig.warm_up)",
     )
-    parser.add_argument(
-        "--vllm-venv",
-        type=Path,
-        default=VLLM_VENV,
-        help="vLLM's virtualenv (default: .venv-vllm, built by 07_engine/make_vllm_venv.sh)",
-    )
-    parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for vLLM")
-    parser.add_argument(
-        "--quiet-below",
-        type=float,
-        default=None,
-        metavar="LOAD",
-        help="before each timed run, wait until the 1-minute load average is below LOAD",
-    )
-    parser.add_argument(
-        "--quiet-timeout-min",
-        type=float,
-        default=45.0,
-        help="total minutes to wait for quiet in one run before measuring anyway",
-    )
+    add_peer_args(parser, "vLLM thread layouts to run with --peer vllm (default: both)")
     parser.add_argument(
         "--nano-vllm",
         type=Path,

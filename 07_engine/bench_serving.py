@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import VLLM_VENV, LoadWatch, machine_info, vllm_bindings, vllm_python
+from bench import LoadWatch, add_peer_args, machine_info, vllm_bindings, vllm_python
 from load_generator import served_model
 from machine import load_average, machine_line
 from server_testing import ServerProcess
@@ -159,45 +159,23 @@ def verdict(results: dict[str, dict]) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2)")
-    parser.add_argument("--dtype", default="bfloat16", help="dtype of both servers")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="dtype of both servers; auto: the engine's rule (bfloat16 where the CPU has it natively)",
+    )
     parser.add_argument("--input-len", type=int, default=256, help="--random-input-len")
     parser.add_argument("--output-len", type=int, default=64, help="--random-output-len")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-concurrency", type=int, default=16)
     parser.add_argument("--warmup-prompts", type=int, default=16, help="warm-up prompts (seed + 1)")
     parser.add_argument("--seed", type=int, default=0, help="the measured run's seed")
-    parser.add_argument(
-        "--vllm-bindings",
-        nargs="+",
-        default=list(vllm_bindings()),
-        choices=list(vllm_bindings()),
-        help="vLLM server thread layouts to run",
-    )
-    parser.add_argument(
-        "--vllm-venv",
-        type=Path,
-        default=VLLM_VENV,
-        help="vLLM's virtualenv (default: .venv-vllm, built by 07_engine/make_vllm_venv.sh)",
-    )
-    parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for vLLM")
+    add_peer_args(parser, "vLLM server thread layouts to run")
     parser.add_argument(
         "--startup-timeout-s",
         type=float,
         default=900.0,
         help="per server; vLLM compiles its model at start-up (minutes on 2 cores)",
-    )
-    parser.add_argument(
-        "--quiet-below",
-        type=float,
-        default=None,
-        metavar="LOAD",
-        help="before each measured run, wait until the 1-minute load average is below LOAD",
-    )
-    parser.add_argument(
-        "--quiet-timeout-min",
-        type=float,
-        default=45.0,
-        help="total minutes to wait for quiet in one run before measuring anyway",
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     return parser.parse_args(argv)
@@ -207,8 +185,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     python = vllm_python(args.vllm_venv)  # the client is vLLM's too: needed for our server as well
     from vllm_from_scratch import default_model_dir
+    from vllm_from_scratch.loader import resolve_dtype
 
     model_dir = args.model or default_model_dir()
+    args.dtype = str(resolve_dtype(args.dtype, "cpu")).removeprefix("torch.")  # vLLM needs a name
     load_before = load_average()
     watch = LoadWatch(args.quiet_below, time.time() + 60 * args.quiet_timeout_min)
     servers = {
