@@ -27,7 +27,7 @@ if ! command -v c++ >/dev/null; then
   fi
 fi
 
-# The step-trace viewer's browser tests (07_engine/test_viz_browser.py) drive Debian's headless
+# The step-trace viewer's browser tests (07_engine/tests/test_viz_browser.py) drive Debian's headless
 # Chromium through Playwright (requirements.txt); Playwright's own browser download is not used.
 # Without it those tests skip with the reason, except in CI, where they fail.
 if ! command -v chromium-headless-shell >/dev/null; then

@@ -233,7 +233,7 @@ RECIPES = [
         "instance published. P/D: 24 requests at 1/s (prompts 256-768 tokens, 32-64 new) on one "
         "instance with both cores, or a prefill and a decode instance with one core each behind "
         "the proxy.",
-        ["07_engine/bench_engine_kv_pool.py", "--pd", "--json", "docs/data/engine_kv_pool.json"],
+        ["07_engine/benchmarks/bench_engine_kv_pool.py", "--pd", "--json", "docs/data/engine_kv_pool.json"],
         plot_engine_kv_pool,
         timeout_s=1800,
     ),
@@ -246,7 +246,10 @@ RECIPES = [
         "ignore_eos. The engine takes them all at once (continuous batching); transformers runs "
         "left-padded static batches of 16, 32, 64 and 128, one after another. Throughput = "
         "requested output tokens / wall time.",
-        ["07_engine/bench.py", *"--dtype bfloat16 --hf-dtypes bfloat16 --hf-batch-sizes 16 32 64 128".split()],
+        [
+            "07_engine/benchmarks/bench.py",
+            *"--dtype bfloat16 --hf-dtypes bfloat16 --hf-batch-sizes 16 32 64 128".split(),
+        ],
         plot_engine_throughput,
         timeout_s=1800,
     ),

@@ -1,6 +1,6 @@
 """Every command the book tells a reader to type names something that exists.
 
-The READMEs and docs say ``python -m vllm_from_scratch.serve ...`` and ``python 07_engine/bench.py
+The READMEs and docs say ``python -m vllm_from_scratch.serve ...`` and ``python 07_engine/benchmarks/bench.py
 ...``. Moving or renaming a module or a script leaves such a line behind, and the reader finds
 out by typing it. This test reads every Markdown file of the repository and checks that each
 ``python -m vllm_from_scratch.<module>`` answers ``--help``, and that each ``python <path>.py`` is
@@ -51,6 +51,6 @@ def test_documented_modules_run_as_scripts():
 
 def test_documented_scripts_exist():
     scripts = commands(SCRIPT_RE)
-    assert "07_engine/bench.py" in scripts, "the scan found none of the book's scripts"
+    assert "07_engine/benchmarks/bench.py" in scripts, "the scan found none of the book's scripts"
     broken = [f"{s} (named at {', '.join(where)})" for s, where in scripts.items() if not (ROOT / s).is_file()]
     assert not broken, "`python <script>` commands naming no file:\n" + "\n".join(broken)

@@ -1,10 +1,10 @@
 """Run bench.py's offline workload on vLLM's CPU build (``bench.py --peer vllm``), or vLLM's
 serving benchmark client (``bench_serving.py``).
 
-    .venv-vllm/bin/python 07_engine/vllm_peer_runner.py SPEC.json RESULT.json
-    .venv-vllm/bin/python 07_engine/vllm_peer_runner.py bench-serve [vllm bench serve flags]
+    .venv-vllm/bin/python 07_engine/benchmarks/vllm_peer_runner.py SPEC.json RESULT.json
+    .venv-vllm/bin/python 07_engine/benchmarks/vllm_peer_runner.py bench-serve [vllm bench serve flags]
 
-This file runs in vLLM's own virtualenv (``07_engine/make_vllm_venv.sh``), never in the book's:
+This file runs in vLLM's own virtualenv (``07_engine/benchmarks/make_vllm_venv.sh``), never in the book's:
 it imports vLLM, which the book's environment does not have, and bench.py's helpers (which
 need only the standard library and torch). SPEC.json holds the model directory, dtype, prompts
 (token ids), output lengths and the quiet-machine policy; RESULT.json gets the throughput, the
@@ -24,7 +24,7 @@ from pathlib import Path
 
 # bench.py sits beside this file (sys.path[0]); the machine.py it imports is chapter 01's, which
 # vLLM's virtualenv does not have installed.
-sys.path.append(str(Path(__file__).resolve().parents[1] / "01_paged_kv"))
+sys.path.append(str(Path(__file__).resolve().parents[2] / "01_paged_kv"))
 from bench import LoadWatch  # noqa: E402
 
 
@@ -128,7 +128,7 @@ def main() -> None:
     if sys.argv[1:2] == ["bench-serve"]:
         return bench_serve(sys.argv[2:])
     if len(sys.argv) != 3:
-        print(__doc__)
+        print(f"usage: {Path(__file__).name} SPEC.json RESULT.json | bench-serve [vllm bench serve flags]\n{__doc__}")
         sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
     spec = json.loads(Path(sys.argv[1]).read_text())
     Path(sys.argv[2]).write_text(json.dumps(run(spec), indent=2))

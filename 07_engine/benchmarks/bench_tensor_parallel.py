@@ -7,8 +7,8 @@
    ``LLM.generate`` on a random Llama-shaped checkpoint (built here, no download), with the
    pickled size of one real decode step's call.
 
-    python 07_engine/bench_tensor_parallel.py --tp 1 2
-    python 07_engine/bench_tensor_parallel.py --comm-only
+    python 07_engine/benchmarks/bench_tensor_parallel.py --tp 1 2
+    python 07_engine/benchmarks/bench_tensor_parallel.py --comm-only
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ fixed engine steps (so both sides of an A/B see the same arrivals), and times ev
 * **priority** (chapter 04): a queue of low-priority requests, then a few high-priority ones,
   ``scheduling_policy`` fcfs vs priority: the high-priority requests' TTFT and end-to-end time.
 
-    .venv/bin/python 07_engine/bench_chapters.py              # all four, default model (~2-4 min)
-    .venv/bin/python 07_engine/bench_chapters.py --only spec --json out.json
+    .venv/bin/python 07_engine/benchmarks/bench_chapters.py              # all four, default model (~2-4 min)
+    .venv/bin/python 07_engine/benchmarks/bench_chapters.py --only spec --json out.json
 
 Every figure depends on the machine: the table is printed with the CPU, its flags, the torch
 threads and the load average. Each A/B also counts the requests whose greedy tokens agree: in

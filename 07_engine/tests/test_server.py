@@ -233,7 +233,7 @@ def test_load_generator_against_the_server(base_url):
     out = subprocess.run(
         [
             sys.executable,
-            str(Path(__file__).parent / "load_generator.py"),
+            str(Path(__file__).parents[1] / "benchmarks" / "load_generator.py"),
             "--base-url",
             base_url,
             "--num-requests",

@@ -1,6 +1,6 @@
 """Run ``bench.py --gpu``'s workload on nano-vllm itself, in a process of its own.
 
-    python 07_engine/nanovllm_peer_runner.py SPEC.json RESULT.json
+    python 07_engine/benchmarks/nanovllm_peer_runner.py SPEC.json RESULT.json
 
 nano-vllm is never copied into the book: SPEC.json names the directory of its source
 (``../shared/peers/nano-vllm``), which goes first on ``sys.path``. The rest of SPEC.json is the

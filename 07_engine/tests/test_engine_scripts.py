@@ -12,22 +12,23 @@ import pytest
 
 from vllm_from_scratch.loader import resolve_dtype
 
-HERE = Path(__file__).parent
+CHAPTER = Path(__file__).resolve().parents[1]
+BENCHMARKS = CHAPTER / "benchmarks"
 
 
 @pytest.mark.slow
 def test_demo_chats_offline():
     out = subprocess.run(
-        [sys.executable, str(HERE / "demo.py"), "--max-tokens", "10"], capture_output=True, text=True, timeout=600
+        [sys.executable, str(CHAPTER / "demo.py"), "--max-tokens", "10"], capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Paris" in out.stdout and "Rome" in out.stdout
     assert "prefix-cache hits" in out.stdout
 
 
-@pytest.mark.parametrize("script", ["demo.py", "bench.py", "bench_chapters.py", "nanovllm_peer_runner.py"])
+@pytest.mark.parametrize("script", [CHAPTER / "demo.py", *sorted(BENCHMARKS.glob("*.py"))], ids=lambda path: path.name)
 def test_scripts_have_help(script):
-    out = subprocess.run([sys.executable, str(HERE / script), "--help"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "usage" in out.stdout
 
 
@@ -37,7 +38,7 @@ def test_bench_runs_both_sides_and_writes_json(tiny_llama_dir, tmp_path):
     out_json = tmp_path / "bench.json"
     cmd = [
         sys.executable,
-        str(HERE / "bench.py"),
+        str(BENCHMARKS / "bench.py"),
         "--model",
         str(tiny_llama_dir),
         "--num-requests",
@@ -79,7 +80,7 @@ def test_bench_chapters_runs_the_four_ab_runs(tiny_llama_dir, tmp_path):
     out_json = tmp_path / "chapters.json"
     cmd = [
         sys.executable,
-        str(HERE / "bench_chapters.py"),
+        str(BENCHMARKS / "bench_chapters.py"),
         "--model",
         str(tiny_llama_dir),
         "--dtype",

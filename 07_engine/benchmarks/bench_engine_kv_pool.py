@@ -1,6 +1,6 @@
 """Two engine processes on one Mooncake store: what the global KV pool saves the second one.
 
-    .venv/bin/python 07_engine/bench_engine_kv_pool.py            # default model, 16 requests (~2 min)
+    .venv/bin/python 07_engine/benchmarks/bench_engine_kv_pool.py            # default model, 16 requests (~2 min)
 
 It starts ``mooncake_master`` and a ``mooncake_client`` that holds the pool (chapter 03's
 launcher), then runs three engine *processes* in turn on the same workload (``--requests``
@@ -107,7 +107,7 @@ def serve_args(model: str, args, pool: dict | None) -> list[str]:
 
 
 def load_test(url: str, args, out: Path) -> dict:
-    """07_engine/load_generator.py (``vllm bench serve``'s measurements) against ``url``."""
+    """07_engine/benchmarks/load_generator.py (``vllm bench serve``'s measurements) against ``url``."""
     cmd = [
         sys.executable,
         str(HERE / "load_generator.py"),
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(instance(json.loads(args.instance))))
         return
 
-    sys.path.insert(0, str(HERE.parent / "03_prefix_cache"))
+    sys.path.insert(0, str(HERE.parents[1] / "03_prefix_cache"))
     from transformers import AutoConfig
 
     from machine import cpu_name, load_average

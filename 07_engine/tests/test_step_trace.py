@@ -288,7 +288,7 @@ def test_chrome_trace_has_step_spans_and_each_requests_life(tmp_path):
 
 
 # ---------------------------------------------------------------------------- the chapter demos
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _block_tables(rec: dict) -> dict[str, list[int]]:
@@ -364,7 +364,7 @@ def test_each_chapter_demo_traces_its_idea_in_the_real_engine(chapter, tmp_path)
     DEMOS[chapter]([r for r in records(path) if r["type"] == "step"])
 
 
-@pytest.mark.parametrize("script", ["07_engine/bench_step_trace.py", "docs/make_screenshots.py"])
+@pytest.mark.parametrize("script", ["07_engine/benchmarks/bench_step_trace.py", "docs/make_screenshots.py"])
 def test_the_trace_scripts_have_help(script):
     out = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "usage:" in out.stdout, out.stderr[-2000:]

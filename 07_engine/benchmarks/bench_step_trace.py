@@ -7,9 +7,9 @@ Two numbers, because a shared CPU moves wall-clock throughput by ±10 % between 
 * output tokens per second with the trace off and on, one pair per ``--rounds``, in one
   process (the same engine settings, a fresh engine each run).
 
-    python 07_engine/bench_step_trace.py                      # 128 requests, like bench.py: one off/on pair
-    python 07_engine/bench_step_trace.py --rounds 3           # three pairs (about 2.5 min each on two cores)
-    python 07_engine/bench_step_trace.py --num-requests 32 --rounds 1
+    python 07_engine/benchmarks/bench_step_trace.py                      # 128 requests, like bench.py: one off/on pair
+    python 07_engine/benchmarks/bench_step_trace.py --rounds 3           # three pairs (about 2.5 min each on two cores)
+    python 07_engine/benchmarks/bench_step_trace.py --num-requests 32 --rounds 1
 """
 
 from __future__ import annotations
