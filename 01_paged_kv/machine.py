@@ -9,8 +9,10 @@ other module of the book, so every chapter's benchmark (and the engine's dtype r
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
+import sys
 
 import torch
 
@@ -52,3 +54,38 @@ def machine_line() -> str:
     """CPU model, cores, the dtype flags and torch's threads, in one line."""
     flags = " ".join(f"{name}{'' if on else ' (no)'}" for name, on in cpu_flags().items())
     return f"{cpu_name()}, {os.cpu_count()} cores; {flags}; torch threads {torch.get_num_threads()}"
+
+
+# Above this 1-minute load average per core, other jobs share the cores a benchmark times.
+QUIET_LOAD_PER_CORE = 0.5
+
+
+def busy_warning(max_load_per_core: float = QUIET_LOAD_PER_CORE) -> str | None:
+    """A warning naming the load when the machine is busier than ``max_load_per_core``, else None."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load / cores <= max_load_per_core:
+        return None
+    return (
+        f"the 1-minute load average is {load:.2f} on {cores} cores (above {max_load_per_core} per core): "
+        "other jobs share the CPU, so these timings are not a quiet machine's"
+    )
+
+
+def add_quiet_arg(parser: argparse.ArgumentParser) -> None:
+    """The ``--refuse-busy`` flag every benchmark of the book takes."""
+    parser.add_argument(
+        "--refuse-busy",
+        action="store_true",
+        help=f"exit instead of measuring when the load average is above {QUIET_LOAD_PER_CORE} per core "
+        "(without it, a busy machine is warned about and measured anyway)",
+    )
+
+
+def check_quiet(refuse: bool) -> None:
+    """Before a benchmark: warn on stderr when the machine is busy, or exit if ``refuse``."""
+    warning = busy_warning()
+    if warning is None:
+        return
+    if refuse:
+        raise SystemExit(f"refusing to measure: {warning}")
+    print(f"warning: {warning}", file=sys.stderr)

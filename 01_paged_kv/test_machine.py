@@ -45,3 +45,35 @@ def test_this_machines_flags_are_read():
         flags = next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()
     assert machine.cpu_flags() == {name: name in flags for name in machine.CPU_FLAGS}
     assert len(machine.load_average().split()) == 3
+
+
+def fake_load(monkeypatch, one_minute: float, cores: int = 2) -> None:
+    monkeypatch.setattr(machine.os, "getloadavg", lambda: (one_minute, 0.0, 0.0))
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: cores)
+
+
+def test_a_quiet_machine_is_measured_without_a_word(monkeypatch, capsys):
+    fake_load(monkeypatch, 0.9)  # 0.45 per core
+    machine.check_quiet(refuse=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_busy_machine_is_warned_about_or_refused(monkeypatch, capsys):
+    fake_load(monkeypatch, 1.5)  # 0.75 per core
+    machine.check_quiet(refuse=False)
+    assert "load average is 1.50 on 2 cores" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="refusing to measure"):
+        machine.check_quiet(refuse=True)
+
+
+def test_every_benchmark_checks_the_load_before_it_measures():
+    from pathlib import Path
+
+    root = Path(machine.__file__).resolve().parents[1]
+    scripts = [
+        root / "02_page_attention" / "demo.py",
+        *root.glob("0*/bench*.py"),
+        *root.glob("07_engine/benchmarks/bench*.py"),
+    ]
+    unchecked = [str(s.relative_to(root)) for s in scripts if "check_quiet(" not in s.read_text()]
+    assert len(scripts) > 8 and not unchecked, f"benchmarks that time a busy machine silently: {unchecked}"

@@ -32,6 +32,7 @@ if not torch.cuda.is_available():
 
 from attention_backends import select_backend  # noqa: E402
 from block_manager import cdiv  # noqa: E402
+from machine import add_quiet_arg, check_quiet, load_average, machine_line  # noqa: E402
 from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen  # noqa: E402
 from paged_attention_cpu import cpu_kernel_available, paged_attention_decode_cpu  # noqa: E402
 from paged_attention_triton import paged_attention_decode_triton, paged_attention_varlen_triton  # noqa: E402
@@ -142,7 +143,7 @@ def show_timing(args, g):
         f"\nDecode timing, torch, float32, torch threads {torch.get_num_threads()}, "
         f"{hq} q / {hkv} kv heads, head_dim {d}, "
         f"block_size {bs}, contexts uniform in [{args.context_len // 2}, {args.context_len}] "
-        f"(median of {args.repeats}):"
+        f"(median of {args.repeats}):\n  {machine_line()}; load average {load_average()}"
     )
     cpp = cpu_kernel_available()
     print(
@@ -212,7 +213,9 @@ def main():
         "--threads", type=int, default=1, help="torch CPU threads (1 keeps timings steady on a shared 2-core machine)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    add_quiet_arg(parser)
     args = parser.parse_args()
+    check_quiet(args.refuse_busy)
     for name in ("block_size", "context_len", "repeats", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from global_kv_pool import EmbeddedKVPool, GlobalKVPool, MooncakeKVPool, serialize_block
-from machine import load_average, machine_line
+from machine import add_quiet_arg, check_quiet, load_average, machine_line
 from mooncake_launcher import MooncakeClient, MooncakeMaster, mooncake_unavailable_reason
 from prefix_cache_local import hash_block_chain
 
@@ -81,7 +81,9 @@ def main() -> None:
         help="torch intra-op threads; copying one block is too small to split, and on a "
         "busy 2-core machine extra threads only wait on each other",
     )
+    add_quiet_arg(ap)
     args = ap.parse_args()
+    check_quiet(args.refuse_busy)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("GLOG_minloglevel", "2")
     itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()

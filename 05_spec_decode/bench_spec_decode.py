@@ -20,7 +20,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from machine import load_average, machine_line
+from machine import add_quiet_arg, check_quiet, load_average, machine_line
 from proposers import DraftModelProposer, HFCausalLM, NgramProposer, make_truncated_draft
 from spec_decode import speculative_generate
 
@@ -83,7 +83,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per row; best time counts")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_quiet_arg(parser)
     args = parser.parse_args()
+    check_quiet(args.refuse_busy)
     if args.threads:
         torch.set_num_threads(args.threads)
 

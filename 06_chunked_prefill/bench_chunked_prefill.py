@@ -25,10 +25,8 @@ from tqdm import tqdm
 
 from chunked_prefill import ChunkedPrefillScheduler
 from chunked_toy_model import ToyRunner, ToyTransformer
-from machine import load_average, machine_line
+from machine import add_quiet_arg, check_quiet, load_average, machine_line
 from scheduler import Request, Scheduler
-
-HERE = Path(__file__).parent
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -134,8 +132,10 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
-    p.add_argument("--plot", default=str(HERE / "chunked_prefill_latency.png"), help="'' to skip")
+    p.add_argument("--plot", type=Path, default=None, metavar="PATH", help="also draw the latency plot to PATH")
+    add_quiet_arg(p)
     args = p.parse_args(argv)
+    check_quiet(args.refuse_busy)
     torch.set_num_threads(args.threads)
 
     model = ToyTransformer(
@@ -183,7 +183,7 @@ def main(argv=None) -> dict:
     if args.plot:
         plot(
             {"no chunking": runs["no chunking"][-1], "chunked": runs[f"chunked ({args.chunk})"][-1]},
-            Path(args.plot),
+            args.plot,
             args,
         )
         print(f"plot: {args.plot}")

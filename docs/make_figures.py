@@ -220,7 +220,7 @@ RECIPES = [
         "Four requests decoding on chapter 06's toy transformer when a 2,048-token prompt "
         "arrives; without chunking it runs in one step, with chunking in 256-token pieces "
         "beside the decodes. Wall-clock medians of 3 runs, 1 torch thread. Log scale.",
-        ["06_chunked_prefill/bench_chunked_prefill.py", "--plot", ""],
+        ["06_chunked_prefill/bench_chunked_prefill.py"],
         plot_chunked_prefill,
     ),
     Recipe(

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from machine import cpu_flags, cpu_name, load_average, machine_line
+from machine import add_quiet_arg, check_quiet, cpu_flags, cpu_name, load_average, machine_line
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -447,7 +447,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "beside or inside the repository, where it exists)",
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON")
+    add_quiet_arg(parser)
     args = parser.parse_args(argv)
+    check_quiet(args.refuse_busy)
     if args.hf_batch_sizes and min(args.hf_batch_sizes) < 1:
         parser.error("--hf-batch-sizes must be >= 1")
     if args.passes < 1:

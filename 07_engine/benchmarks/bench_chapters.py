@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from machine import cpu_name, load_average
+from machine import add_quiet_arg, check_quiet, cpu_name, load_average
 from vllm_from_scratch import SamplingParams, default_model_dir
 from vllm_from_scratch.engine import LLMEngine
 
@@ -363,7 +363,9 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--high-requests", type=int, default=4)
     g.add_argument("--high-at", type=int, default=8)
     g.add_argument("--priority-tokens", type=int, default=48)
+    add_quiet_arg(parser)
     args = parser.parse_args(argv)
+    check_quiet(args.refuse_busy)
     if args.threads:
         torch.set_num_threads(args.threads)
     args.model = args.model or default_model_dir()

@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from machine import add_quiet_arg, check_quiet
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -186,7 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pd-output-len", default="32:64", help="new tokens, N or LOW:HIGH")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--instance", default=None, help=argparse.SUPPRESS)
+    add_quiet_arg(parser)
     args = parser.parse_args(argv)
+    check_quiet(args.refuse_busy)
     if args.instance:
         print(json.dumps(instance(json.loads(args.instance))))
         return

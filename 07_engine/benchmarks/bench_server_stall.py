@@ -36,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from machine import add_quiet_arg, check_quiet
 from server_testing import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -203,7 +204,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--baseline-seconds", type=float, default=2.0, help="streaming before the posts")
     p.add_argument("--server-args", default="", help="more flags for the server, one string")
-    return p.parse_args(argv)
+    add_quiet_arg(p)
+    args = p.parse_args(argv)
+    check_quiet(args.refuse_busy)
+    return args
 
 
 def main(argv=None) -> list[Outcome]:

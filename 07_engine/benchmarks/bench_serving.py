@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench import LoadWatch, add_peer_args, machine_info, vllm_bindings, vllm_python
 from load_generator import served_model
-from machine import load_average, machine_line
+from machine import add_quiet_arg, check_quiet, load_average, machine_line
 from server_testing import ServerProcess
 
 HERE = Path(__file__).resolve().parent
@@ -178,7 +178,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="per server; vLLM compiles its model at start-up (minutes on 2 cores)",
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
-    return parser.parse_args(argv)
+    add_quiet_arg(parser)
+    args = parser.parse_args(argv)
+    check_quiet(args.refuse_busy)
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:

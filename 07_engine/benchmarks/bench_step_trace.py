@@ -23,7 +23,7 @@ import time
 import torch
 
 from bench import make_workload
-from machine import cpu_name, load_average
+from machine import add_quiet_arg, check_quiet, cpu_name, load_average
 
 
 def run(model_dir: str, prompts, outputs, trace_path: str | None, **engine_kwargs) -> dict:
@@ -66,7 +66,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="off/on pairs to run, one after the other")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_quiet_arg(parser)
     args = parser.parse_args()
+    check_quiet(args.refuse_busy)
     from vllm_from_scratch import default_model_dir
 
     if args.threads:

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from machine import load_average, machine_line
+from machine import add_quiet_arg, check_quiet, load_average, machine_line
 
 
 def build_checkpoint(path: str, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int) -> str:
@@ -149,7 +149,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--calls", type=int, default=200, help="calls timed per communication measurement")
     parser.add_argument("--comm-only", action="store_true", help="only the communication table (no engine)")
+    add_quiet_arg(parser)
     args = parser.parse_args()
+    check_quiet(args.refuse_busy)
     from tqdm import tqdm
 
     comm = [time_comm(tp, args) for tp in tqdm([tp for tp in args.tp if tp > 1], desc="communication")]
