@@ -185,6 +185,23 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
     assert alone == batched
 
 
+def test_a_seeded_request_draws_on_the_engines_device(llm):
+    """Its generator lives where the logits do (a CPU generator meeting CUDA noise is refused)."""
+    engine = llm.llm_engine
+    req = engine.make_request([3, 4, 5], SamplingParams(temperature=1.0, seed=5))
+    assert req.generator is not None and req.generator.device.type == engine.config.torch_device.type
+
+
+@pytest.mark.cuda
+def test_seeded_sampling_on_cuda_is_reproducible_whatever_the_batch(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, device="cuda", kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32")
+    params = SamplingParams(temperature=1.0, top_k=50, max_tokens=10, seed=1234, ignore_eos=True)
+    alone = llm.generate([[3, 4, 5]], params, use_tqdm=False)[0]["token_ids"]
+    noise = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    batched = llm.generate([[9, 9], [3, 4, 5], [7]], [noise, params, noise], use_tqdm=False)[1]["token_ids"]
+    assert alone == batched
+
+
 def test_priority_scheduling_from_generate(tiny_llama_dir):
     """One request runs at a time: under "priority" the lower values finish first, whatever the order
     they were given in; under "fcfs" the order given wins."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from vllm_from_scratch.sampler import Sampler, apply_top_k_top_p
+from vllm_from_scratch.sampler import Sampler, apply_top_k_top_p, exponential_noise
 
 V = 8
 
@@ -68,6 +69,23 @@ def test_seeded_rows_ignore_the_rest_of_the_batch():
         return Sampler()(logits, temps, generators=gens)[1]
 
     assert run(0) == run(1) == run(2)
+
+
+def test_a_generator_on_another_device_than_the_noise_is_refused():
+    """The CUDA failure ("Expected a 'cuda' device type for generator") caught on any machine:
+    ``meta`` tensors stand in for the GPU, where a CPU generator would otherwise pass silently."""
+    probs = torch.full((3, V), 1 / V, device="meta")
+    with pytest.raises(ValueError, match="generators"):
+        Sampler.sample_from_probs(probs, [None, torch.Generator().manual_seed(7), None])
+    assert Sampler.sample_from_probs(probs).shape == (3,)  # unseeded rows draw on the tensors' device
+
+
+def test_exponential_noise_is_positive_and_a_seeded_row_is_its_generators_alone():
+    gens = [None, torch.Generator().manual_seed(3)]
+    noise = exponential_noise(2, 1000, torch.device("cpu"), gens)
+    assert bool((noise > 0).all()) and noise.isfinite().all()
+    alone = exponential_noise(1, 1000, torch.device("cpu"), [torch.Generator().manual_seed(3)])
+    assert torch.equal(noise[1], alone[0])
 
 
 def test_compute_probs_is_one_hot_for_greedy_rows():

@@ -79,6 +79,20 @@ def test_sampled_spec_decoding_runs_and_frees_blocks(tiny_llama_dir):
     assert_no_leak(llm)
 
 
+def test_seeded_spec_decoding_ignores_the_rest_of_the_batch(tiny_llama_dir):
+    """A seeded request draws its acceptance uniforms and its exponential row from its own
+    generator, sized by its own drafts, not by the batch's longest."""
+    llm = _spec_llm(tiny_llama_dir, {"method": "ngram", "num_speculative_tokens": 3})
+    base = make_prompts(9, (5,))[0]
+    seeded = SamplingParams(temperature=0.9, max_tokens=12, seed=11, ignore_eos=True)
+    other = SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([base * 3], seeded, use_tqdm=False)[0]["token_ids"]
+    batch = [make_prompts(10, (7,))[0] * 4, base * 3, [4, 5]]
+    batched = llm.generate(batch, [other, seeded, other], use_tqdm=False)[1]["token_ids"]
+    assert alone == batched
+    assert_no_leak(llm)
+
+
 @pytest.mark.parametrize(
     "spec, name",
     [

@@ -117,6 +117,7 @@ class EngineRequest(Request):
         block_size: int,
         tokenizer: PreTrainedTokenizerBase | None,
         priority: int = 0,
+        device: torch.device | str = "cpu",
     ):
         super().__init__(
             request_id,
@@ -130,7 +131,8 @@ class EngineRequest(Request):
         )
         self.sampling_params = params
         self.stop_strings = list(params.stop or ())  # a list once SamplingParams is validated
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        # On the device that samples: ATen refuses a CPU generator for CUDA noise.
+        self.generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_token_ids)
         self.text = ""  # the decoded output, cut at a stop string
         self.num_text_sent = 0
@@ -315,6 +317,7 @@ class LLMEngine:
             self.config.kvcache_block_size,
             self.tokenizer,
             priority,
+            self.config.torch_device,
         )
         self.scheduler.check_schedulable(req)  # e.g. more KV blocks than the whole cache
         return req

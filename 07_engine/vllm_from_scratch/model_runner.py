@@ -15,7 +15,7 @@ from chunked_prefill import BatchInputs, SchedulerInfo, build_batch_inputs
 from kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
 from rejection_sampler_triton import rejection_sample_triton
 from scheduler import SchedulerOutput
-from spec_decode import num_accepted_tokens, pad_draft_token_ids, rejection_sample
+from spec_decode import RejectionNoise, num_accepted_tokens, pad_draft_token_ids, rejection_sample
 from triton_setup import HAS_TRITON
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.cuda_graph import CUDAGraphRunner
@@ -23,7 +23,7 @@ from vllm_from_scratch.kv_connector import BlockTransfer, KVConnectorWorker
 from vllm_from_scratch.layers.attention import Attention, AttentionMetadata
 from vllm_from_scratch.layers.prepacked import prepack_model
 from vllm_from_scratch.loader import get_model
-from vllm_from_scratch.sampler import Sampler, SamplingTensors
+from vllm_from_scratch.sampler import Sampler, SamplingTensors, exponential_noise
 
 # Longest dummy prompt of the warm-up; a step at the token budget is several of them.
 WARM_UP_ROW = 256
@@ -232,10 +232,21 @@ class ModelRunner:
         )
         target = probs[rows]  # [B, K + 1, V]
         draft_ids = pad_draft_token_ids(drafts, K, device=logits.device)
-        sampler = self.rejection_sampler
-        out = sampler(draft_ids, None, target)
-        for i, gen in enumerate(sampling.request_generators):
-            if gen is not None:  # a seeded request draws from its own generator, whatever the batch
-                out[i] = sampler(draft_ids[i : i + 1], None, target[i : i + 1], generator=gen)[0]
+        noise = self.rejection_noise([len(d) for d in drafts], K, target.shape[-1], sampling.request_generators)
+        out = self.rejection_sampler(draft_ids, None, target, noise=noise)
         accepted = num_accepted_tokens(out).tolist()
         return {rid: row[: n + 1] for rid, row, n in zip(sampling.request_ids, out.tolist(), accepted)}
+
+    def rejection_noise(
+        self, num_spec: list[int], K: int, vocab_size: int, generators: list[torch.Generator | None]
+    ) -> RejectionNoise:
+        """The rejection sampler's noise for the whole batch: a seeded request ``i`` draws its
+        exponential row and then its ``num_spec[i]`` uniforms from its own generator (never the
+        batch's padded ``K``), so its tokens do not depend on the batch; the rest come from one
+        batched draw each."""
+        uniform = torch.rand(len(num_spec), K, device=self.device)
+        exponential = exponential_noise(len(num_spec), vocab_size, self.device, generators)
+        for i, (gen, k) in enumerate(zip(generators, num_spec)):
+            if gen is not None and k:
+                uniform[i, :k].uniform_(generator=gen)
+        return RejectionNoise(uniform, exponential)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from chunked_prefill import BatchInputs, SchedulerInfo, build_batch_inputs
-from spec_decode import num_accepted_tokens, pad_draft_token_ids, rejection_sample
-from vllm_from_scratch.sampler import Sampler, SamplingTensors
+from spec_decode import RejectionNoise, num_accepted_tokens, pad_draft_token_ids, rejection_sample
+from vllm_from_scratch.sampler import Sampler, SamplingTensors, exponential_noise
 
 
 def verify_drafts(self, logits: torch.Tensor, sampling: SamplingTensors, info: SchedulerInfo) -> dict[str, list[int]]:
@@ -26,8 +26,9 @@ def verify_drafts(self, logits: torch.Tensor, sampling: SamplingTensors, info: S
 
     Hint: Request i owns k_i + 1 consecutive logits rows: gather them into target [B, K+1, V]
     (index each row's start plus min(j, k_i)), pad the drafts (info.merge_prompt at the drafts'
-    positions) with pad_draft_token_ids, call self.rejection_sampler once (again per seeded
-    request with its own generator) and keep num_accepted_tokens + 1 tokens of each row.
+    positions) with pad_draft_token_ids, draw the batch's noise with self.rejection_noise
+    (seeded requests from their own generators), call self.rejection_sampler once with noise=
+    and keep num_accepted_tokens + 1 tokens of each row.
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.2
     """
