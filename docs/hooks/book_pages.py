@@ -4,12 +4,14 @@ The chapters' text lives in ``0X_chapter/README.md`` beside their code; ``docs/`
 book-level pages. At build time this hook:
 
 * adds each chapter README as the page ``0X_chapter/README.md`` (served as ``0X_chapter/``) and
-  the repository's ``README.md`` as ``getting-started.md``, and lists the chapters in the nav;
+  the repository's ``README.md`` as ``getting-started.md``, and lists the chapters in the nav; a
+  chapter's other pages (``0X_chapter/*.md``, ``0X_chapter/topics/*.md``) are published beside
+  its README and listed under it, in the order the README links them;
 * rewrites their relative links for the site: a link into ``docs/`` points at that page, a link
   to another README points at its page, and a link to any other file of the repository (code,
   a figure) keeps working because that file is published beside the page;
-* fills ``<!-- book:chapter-results -->`` (in ``results.md``) with each chapter's measured
-  results section and ``<!-- book:exercises -->`` (in ``exercises.md``) with the exercise
+* fills ``<!-- book:chapter-results -->`` (in ``results.md``) with the measured-results
+  section of each chapter page and ``<!-- book:exercises -->`` (in ``exercises.md``) with the exercise
   registries of ``exercises/``.
 
 A link to something that does not exist is left alone, so ``mkdocs build --strict`` still fails
@@ -42,18 +44,39 @@ def chapters() -> list[str]:
     )
 
 
-def chapter_title(chapter: str) -> str:
-    """The README's first heading, else the directory name."""
-    for line in (ROOT / chapter / "README.md").read_text(encoding="utf-8").splitlines():
+def page_title(repo_path: str) -> str:
+    """A page's first heading, else its file name."""
+    for line in (ROOT / repo_path).read_text(encoding="utf-8").splitlines():
         if line.startswith("# "):
             return line[2:].strip()
-    return chapter
+    return posixpath.basename(posixpath.dirname(repo_path)) if repo_path.endswith("README.md") else repo_path
+
+
+def chapter_title(chapter: str) -> str:
+    """The README's first heading, else the directory name."""
+    return page_title(f"{chapter}/README.md")
+
+
+def chapter_pages(chapter: str) -> list[str]:
+    """The chapter's Markdown pages (repository paths): its README, then its other pages
+    (``*.md`` beside the README, ``topics/*.md``) in the order the README first links them,
+    then any it does not link, by name."""
+    d = ROOT / chapter
+    others = sorted(
+        p.relative_to(ROOT).as_posix() for p in [*d.glob("*.md"), *d.glob("topics/*.md")] if p.name != "README.md"
+    )
+    linked = []
+    for m in LINK_RE.finditer((d / "README.md").read_text(encoding="utf-8")):
+        target = posixpath.normpath(posixpath.join(chapter, m.group(2).partition("#")[0]))
+        if target in others and target not in linked:
+            linked.append(target)
+    return [f"{chapter}/README.md", *linked, *(p for p in others if p not in linked)]
 
 
 # Repository files published as pages: repo path -> site path.
 def _pages() -> dict[str, str]:
     pages = {"README.md": "getting-started.md"}
-    pages.update({f"{c}/README.md": f"{c}/README.md" for c in chapters()})
+    pages.update({p: p for c in chapters() for p in chapter_pages(c)})
     return pages
 
 
@@ -105,9 +128,10 @@ def rewrite_links(text: str, repo_path: str, site_path: str, pages: dict[str, st
     return "".join(out)
 
 
-def results_section(chapter: str) -> str | None:
-    """The README's measured-results section (heading to the next heading of its level)."""
-    lines = (ROOT / chapter / "README.md").read_text(encoding="utf-8").splitlines()
+def results_section(chapter: str, repo_path: str | None = None) -> str | None:
+    """The measured-results section (heading to the next heading of its level) of the chapter's
+    README, or of another of its pages."""
+    lines = (ROOT / (repo_path or f"{chapter}/README.md")).read_text(encoding="utf-8").splitlines()
     for i, line in enumerate(lines):
         m = RESULTS_HEADING_RE.match(line)
         if not m:
@@ -128,13 +152,18 @@ def results_section(chapter: str) -> str | None:
 def chapter_results_markdown(pages, assets) -> str:
     parts = []
     for chapter in chapters():
-        section = results_section(chapter)
-        if section is None:
-            continue
-        # The section is moved to results.md at the site root: fix its links from there.
-        section = rewrite_links(section, f"{chapter}/README.md", "results.md", pages, assets)
-        section = re.sub(r"^(#{1,4}) ", lambda m: "#" * min(len(m.group(1)) + 2, 6) + " ", section, flags=re.M)
-        parts.append(f"### {chapter_title(chapter)}\n\nFrom [{chapter}]({chapter}/README.md).\n\n{section}\n")
+        for repo_path in chapter_pages(chapter):
+            section = results_section(chapter, repo_path)
+            if section is None:
+                continue
+            # The section is moved to results.md at the site root: fix its links from there.
+            section = rewrite_links(section, repo_path, "results.md", pages, assets)
+            section = re.sub(r"^(#{1,4}) ", lambda m: "#" * min(len(m.group(1)) + 2, 6) + " ", section, flags=re.M)
+            title = chapter_title(chapter)
+            if not repo_path.endswith("/README.md"):
+                title = f"{title}: {page_title(repo_path)}"
+            where = chapter if repo_path.endswith("/README.md") else repo_path
+            parts.append(f"### {title}\n\nFrom [{where}]({repo_path}).\n\n{section}\n")
     return "\n".join(parts) if parts else "_No chapter has published measured results yet._\n"
 
 
@@ -274,7 +303,13 @@ _assets: dict[str, str] = {}
 def on_config(config):
     """List the chapters that exist in the nav, after the book-level pages."""
     nav = config.get("nav") or []
-    chapter_nav = [{chapter_title(c): f"{c}/README.md"} for c in chapters()]
+    chapter_nav = []
+    for c in chapters():
+        pages = chapter_pages(c)
+        if len(pages) == 1:
+            chapter_nav.append({chapter_title(c): pages[0]})
+        else:  # a section: the README as its overview, then the chapter's other pages
+            chapter_nav.append({chapter_title(c): [{"Overview": pages[0]}, *({page_title(p): p} for p in pages[1:])]})
     for i, entry in enumerate(nav):
         if isinstance(entry, dict) and "Chapters" in entry:
             nav[i] = {"Chapters": chapter_nav}
