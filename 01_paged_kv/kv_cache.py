@@ -46,8 +46,9 @@ def num_blocks_for_budget(
     head_dim: int,
     dtype: torch.dtype = torch.float16,
 ) -> int:
-    """How many whole blocks fit in ``budget_bytes`` (what nano-vllm's ``allocate_kv_cache`` computes
-    from ``free memory × gpu_memory_utilization − model − activations``)."""
+    """How many whole blocks fit in ``budget_bytes`` (nano-vllm's ``allocate_kv_cache`` divides
+    ``total × gpu_memory_utilization − used − (peak − current)`` by the block's bytes: the card's
+    share, less what is in use, less the transient peak of a warm-up step at the largest batch)."""
     if not isinstance(budget_bytes, int) or budget_bytes < 0:
         raise ValueError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")
     return budget_bytes // bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)

@@ -18,7 +18,7 @@ from scheduler import SchedulerOutput
 from spec_decode import RejectionNoise, num_accepted_tokens, pad_draft_token_ids, rejection_sample
 from triton_setup import HAS_TRITON
 from vllm_from_scratch.config import EngineConfig
-from vllm_from_scratch.cuda_graph import CUDAGraphRunner
+from vllm_from_scratch.cuda_graph import MAX_CAPTURE_SIZE, CUDAGraphRunner
 from vllm_from_scratch.kv_connector import BlockTransfer, KVConnectorWorker
 from vllm_from_scratch.layers.attention import Attention, AttentionMetadata
 from vllm_from_scratch.layers.prepacked import prepack_model
@@ -27,6 +27,28 @@ from vllm_from_scratch.sampler import Sampler, SamplingTensors, exponential_nois
 
 # Longest dummy prompt of the warm-up; a step at the token budget is several of them.
 WARM_UP_ROW = 256
+
+
+def kv_cache_budget(total: int, free: int, activation_peak: int, utilization: float, graph_pool: int = 0) -> int:
+    """Bytes the KV cache may take on a GPU (nano-vllm's ``allocate_kv_cache``): the share
+    ``utilization`` of the card's ``total``, less what is in use before the cache (``total - free``:
+    weights, CUDA context, other processes), less the largest step's transient ``activation_peak``
+    (activations, logits, sampler) and the decode graphs' ``graph_pool``, which both live beside
+    the cache. Never negative: 0 means no block fits.
+    """
+    for name, value in (
+        ("total", total),
+        ("free", free),
+        ("activation_peak", activation_peak),
+        ("graph_pool", graph_pool),
+    ):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int of bytes, got {value!r}")
+    if free > total:
+        raise ValueError(f"free ({free}) must not exceed total ({total})")
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
+    return max(int(total * utilization) - (total - free) - activation_peak - graph_pool, 0)
 
 
 class ModelRunner:
@@ -59,6 +81,7 @@ class ModelRunner:
             rejection_sample_triton if self.device.type == "cuda" and HAS_TRITON else rejection_sample
         )
         self.kv_cache: torch.Tensor  # [2, layers, blocks, block_size, kv_heads, head_dim], set by the next line
+        self.memory_profile: dict[str, int] = {}  # what profile_gpu_memory measured (CUDA, no num_kvcache_blocks)
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.kv_worker = KVConnectorWorker(config, tp_rank, self.kv_cache) if config.kv_transfer else None
         self.graph_runner = (
@@ -89,17 +112,71 @@ class ModelRunner:
     def _num_blocks_from_memory(self) -> int:
         cfg = self.config
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            # Keep (1 - utilization) of the card free, plus headroom for activations of a full batch.
-            activations = cfg.max_num_batched_tokens * cfg.hf_config.hidden_size * 4 * 16
-            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - activations
+            budget = self.profile_gpu_memory()["kv_budget"]
         else:
+            # A CPU has no allocator statistics to measure a step's peak against; like vLLM's
+            # VLLM_CPU_KVCACHE_SPACE, the cache gets a fixed size the user chooses.
             budget = int(cfg.cpu_kvcache_space_gib * 2**30)
-        num = num_blocks_for_budget(max(budget, 0), *self._block_layout())
+        num = num_blocks_for_budget(budget, *self._block_layout())
         # More blocks than max_num_seqs full-length requests can ever hold would be wasted memory.
         cap = cfg.max_num_seqs * cdiv(cfg.max_model_len, self.block_size)
         return min(num, cap)
+
+    @torch.inference_mode()
+    def profile_gpu_memory(self) -> dict[str, int]:
+        """Measure what the largest steps need beside the KV cache, as nano-vllm's
+        ``warmup_model`` + ``allocate_kv_cache`` do, and size the cache from it.
+
+        On a scratch cache of a few blocks (every row shares them: dummy K/V may collide), run
+        the token budget as prompts of up to ``max_model_len`` tokens, then the most rows a step
+        can sample through the logits and the sampler with top-k and top-p (the sort over
+        ``[rows, vocab]`` float32 is the largest transient), recording the allocator's peak above
+        the weights. When decode graphs will be captured, a decode forward at the largest
+        captured batch measures the graph pool too. Keeps and returns every number
+        (``memory_profile``); ``kv_budget`` is :func:`kv_cache_budget` of them.
+        """
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        longest = min(budget, cfg.max_model_len)
+        prompts = [longest] * (budget // longest) + [budget % longest] * bool(budget % longest)
+        k = cfg.speculative.num_speculative_tokens if cfg.speculative is not None else 0
+        sample_rows = min(budget, cfg.max_num_seqs * (1 + k))
+        layers, block_size, kv_heads, head_dim, dtype = self._block_layout()
+        self._bind_kv_cache(
+            allocate_kv_cache(layers, cdiv(longest, block_size), block_size, kv_heads, head_dim, dtype, self.device)
+        )
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)  # weights + the scratch cache
+        self._dummy_forward(prompts, context=0, shared_blocks=True)
+        logits = self._dummy_forward([1] * sample_rows, context=0, shared_blocks=True)
+        if logits is not None:  # only rank 0 samples under tensor parallelism
+            rows = torch.ones(sample_rows, device=self.device)
+            self.sampler(logits, rows, torch.full_like(rows, 50, dtype=torch.long), rows * 0.9)
+            del logits
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - base
+        graph_pool = 0
+        if not cfg.enforce_eager:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._dummy_forward([1] * min(cfg.max_num_seqs, MAX_CAPTURE_SIZE), 0, shared_blocks=True, logits=False)
+            torch.cuda.synchronize(self.device)
+            graph_pool = torch.cuda.max_memory_allocated(self.device) - base
+        del self.kv_cache
+        for attn in self.attn_layers:
+            attn.k_cache = attn.v_cache = torch.tensor([])
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        self.memory_profile = {
+            "total": total,
+            "free": free,
+            "weights_and_context": total - free,
+            "activation_peak": activation_peak,
+            "graph_pool": graph_pool,
+            "kv_budget": kv_cache_budget(total, free, activation_peak, cfg.gpu_memory_utilization, graph_pool),
+        }
+        return self.memory_profile
 
     def allocate_kv_cache(self) -> int:
         """Allocate ``[2, layers, blocks, block_size, kv_heads, head_dim]`` and bind it to the layers."""
@@ -116,10 +193,13 @@ class ModelRunner:
                 "lower max_num_batched_tokens or raise gpu_memory_utilization / cpu_kvcache_space_gib"
             )
         layers, block_size, kv_heads, head_dim, dtype = self._block_layout()
-        self.kv_cache = allocate_kv_cache(layers, num_blocks, block_size, kv_heads, head_dim, dtype, self.device)
-        for i, attn in enumerate(self.attn_layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self._bind_kv_cache(allocate_kv_cache(layers, num_blocks, block_size, kv_heads, head_dim, dtype, self.device))
         return num_blocks
+
+    def _bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+        for i, attn in enumerate(self.attn_layers):
+            attn.k_cache, attn.v_cache = kv_cache[0, i], kv_cache[1, i]
 
     def get_num_kvcache_blocks(self) -> int:
         return self.num_kvcache_blocks
@@ -139,15 +219,27 @@ class ModelRunner:
         for b in decode_batch_sizes:
             self._dummy_forward([1] * b, context=self.block_size - 1)
 
-    def _dummy_forward(self, lens: list[int], context: int) -> None:
+    def _dummy_forward(
+        self, lens: list[int], context: int, shared_blocks: bool = False, logits: bool = True
+    ) -> torch.Tensor | None:
+        """Forward rows of ``lens`` dummy tokens after ``context`` cached ones; their logits.
+
+        ``shared_blocks``: every row's table is the same first blocks (memory profiling, where
+        the K/V written is never read back). ``logits=False`` stops at the hidden states, as a
+        captured decode graph does. None when the cache cannot hold the shape (or no logits).
+        """
         blocks_per_seq = cdiv(max(lens) + context, self.block_size)
-        if blocks_per_seq * len(lens) > self.num_kvcache_blocks:
-            return  # a cache this small never meets this shape
+        if blocks_per_seq * (1 if shared_blocks else len(lens)) > self.kv_cache.shape[2]:
+            return None  # a cache this small never meets this shape
         info = SchedulerInfo()
         for i, n in enumerate(lens):
-            table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-            info.add_row(f"warm-up-{i}", [0] * n, context, table, samples=True)
-        self.compute_logits(build_batch_inputs(info, self.block_size, self.device))
+            first = 0 if shared_blocks else i * blocks_per_seq
+            info.add_row(f"warm-up-{i}", [0] * n, context, list(range(first, first + blocks_per_seq)), samples=True)
+        batch = build_batch_inputs(info, self.block_size, self.device)
+        if not logits:
+            self.model(batch.input_ids, batch.positions, self.attention_metadata(batch))
+            return None
+        return self.compute_logits(batch)
 
     # ------------------------------------------------------------------ forward
     @staticmethod
