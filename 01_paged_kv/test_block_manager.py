@@ -131,12 +131,19 @@ def test_may_append_takes_a_new_block_only_on_the_boundary():
 
 def test_slot_mapping_follows_the_block_table():
     bm = BlockManager(8, 4)
-    filler = _prefilled(range(4), bm)  # so that seq's blocks are not 0..n
-    seq = _prefilled(range(10), bm)
-    bm.free(filler)
-    assert seq.block_table == [1, 2, 3]
-    assert bm.slot_mapping(seq, 0, 10) == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
-    assert bm.slot_mapping(seq, 9, 10) == [13]
+    seq = Sequence(range(10), block_size=4)
+    # Scattered and out of order, as a table is after other sequences came and went: logical
+    # block i lives wherever block_table[i] says, never at block_table[0] + i.
+    seq.block_table = [7, 2, 5]
+    slots = bm.slot_mapping(seq, 0, 10)
+    for p, slot in enumerate(slots):
+        block, offset = seq.block_table[p // 4], p % 4
+        assert slot == block * 4 + offset, (
+            f"position {p} is offset {offset} of logical block {p // 4}, which is physical block "
+            f"{block} (block_table={seq.block_table}): slot {block * 4 + offset}, not {slot}"
+        )
+    assert slots == [28, 29, 30, 31, 8, 9, 10, 11, 20, 21]
+    assert bm.slot_mapping(seq, 9, 10) == [21]
     with pytest.raises(ValueError, match="blocks"):
         bm.slot_mapping(seq, 0, 13)
 

@@ -134,11 +134,16 @@ def reference_function(ex: Exercise):
     return raw
 
 
+def stub_module_name(ex: Exercise) -> str:
+    """The private name a stub file is imported under: unique per chapter and file, so stub
+    files never shadow book modules."""
+    return f"vfs_student_{ex.chapter}_{Path(ex.stub_file).stem}"
+
+
 def load_stub(ex: Exercise, exercises_dir: Path = EXERCISES_DIR):
     """The student's function for ``ex``, imported from its stub file by path."""
     path = Path(exercises_dir) / ex.chapter / ex.stub_file
-    # A unique module name per chapter and file: stub files never shadow book modules.
-    mod_name = f"vfs_student_{ex.chapter}_{path.stem}"
+    mod_name = stub_module_name(ex)
     mod = sys.modules.get(mod_name)
     if mod is None or Path(mod.__file__).resolve() != path.resolve():
         spec = importlib.util.spec_from_file_location(mod_name, path)
@@ -195,6 +200,10 @@ class Swap:
             raw = owner.__dict__[name]
             wrap = type(raw) if isinstance(raw, (staticmethod, classmethod, property)) else None
             self._set(owner, name, wrap(stub) if wrap else stub)
+
+    def set_attr(self, owner, name, value) -> None:
+        """Set ``owner.name`` to ``value`` until :meth:`undo`."""
+        self._set(owner, name, value)
 
     def _set(self, owner, name, value) -> None:
         had = name in vars(owner)
@@ -305,8 +314,17 @@ class ExercisePlugin:
         swap = Swap()
         try:
             callspec = getattr(item, "callspec", None)
-            for ex in self.exercises_for(item.nodeid):
+            swapped = self.exercises_for(item.nodeid)
+            for ex in swapped:
                 swap.apply(ex, self.stub(ex), callspec.params if callspec else None)
+            # A stub that calls a sibling exercise's function by name (02.2's decode calls
+            # gather_kv, 07.7 calls apply_top_k_top_p) reads it from its own stub file: there,
+            # during another exercise's tests, the name stands for the book's version.
+            for ex in self.exercises:
+                if ex not in swapped and any(ex.chapter == s.chapter and ex.stub_file == s.stub_file for s in swapped):
+                    module = sys.modules.get(stub_module_name(ex))
+                    if module is not None and hasattr(module, ex.stub_name):
+                        swap.set_attr(module, ex.stub_name, reference_function(ex))
             yield
         finally:
             swap.undo()

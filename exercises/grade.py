@@ -5,10 +5,13 @@
     python exercises/grade.py --chapter 01_paged_kv --json ada.json
     python exercises/grade.py --impl reference                 # the book itself: all must pass
 
-One pytest run, in a fresh interpreter (so one submission cannot leak into the next), selects
-only the tests the registries list, runs them with ``--impl=student`` and writes a JUnit XML
-report that this script reads. An exercise scores the fraction of its tests that passed; a test that failed with the
-stub's own ``NotImplementedError`` is reported as "not attempted".
+One pytest run, in a fresh interpreter (so one submission cannot leak into the next), runs the
+graded chapters' tests with ``--impl=student`` and writes a JUnit XML report that this script
+reads. An exercise scores the fraction of its tests that passed; a test that failed with the
+stub's own ``NotImplementedError`` is reported as "not attempted". The chapter's other tests
+(property tests, demos: those no exercise lists) run too, with all of the chapter's exercises
+swapped in, and are reported on their own line per chapter, so a full score never hides code
+that breaks the rest of the chapter. ``--exercise-tests-only`` skips them (a quicker run).
 """
 
 from __future__ import annotations
@@ -55,22 +58,44 @@ def _nodeid(case: ET.Element) -> str:
     return f"{classname}::{name}"
 
 
+@dataclass
+class OtherTests:
+    """The tests of one chapter that no exercise lists, run with all its exercises swapped in."""
+
+    chapter: str
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    tests: list[TestResult] = field(default_factory=list)
+
+
 def run_tests(
-    exercises: list[ep.Exercise], impl: str, exercises_dir: Path | None, timeout: float = 1200
+    exercises: list[ep.Exercise],
+    impl: str,
+    exercises_dir: Path | None,
+    timeout: float = 1200,
+    other_tests: bool = False,
 ) -> dict[str, TestResult]:
-    """Run the tests of ``exercises`` in one fresh pytest process; results keyed by node id."""
-    # Test files plus --exercise (which deselects every other test), not node ids: pytest gives up
-    # on the whole run when one named node cannot be collected.
-    files = list(dict.fromkeys(t.split("::")[0] for ex in exercises for t in ex.tests))
-    selected = ",".join(ex.id for ex in exercises)
+    """Run the tests of ``exercises`` in one fresh pytest process; results keyed by node id.
+
+    With ``other_tests``, every test of their chapters runs, the unlisted ones included.
+    """
+    if other_tests:
+        paths = list(dict.fromkeys(ex.chapter + "/" for ex in exercises))
+        only = []
+    else:
+        # Test files plus --exercise (which deselects every other test), not node ids: pytest
+        # gives up on the whole run when one named node cannot be collected.
+        paths = list(dict.fromkeys(t.split("::")[0] for ex in exercises for t in ex.tests))
+        only = ["--exercise=" + ",".join(ex.id for ex in exercises)]
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
         cmd = [
             sys.executable,
             "-m",
             "pytest",
-            *files,
-            f"--exercise={selected}",
+            *paths,
+            *only,
             f"--impl={impl}",
             "-q",
             "-p",
@@ -100,6 +125,7 @@ def run_tests(
 
 
 def score(exercises: list[ep.Exercise], results: dict[str, TestResult]) -> list[ExerciseScore]:
+    """Each exercise's mark: its own tests among ``results``."""
     scores = []
     for ex in exercises:
         s = ExerciseScore(ex.id, ex.chapter, ex.target)
@@ -111,13 +137,51 @@ def score(exercises: list[ep.Exercise], results: dict[str, TestResult]) -> list[
     return scores
 
 
+def others(exercises: list[ep.Exercise], results: dict[str, TestResult]) -> list[OtherTests]:
+    """Per chapter of ``exercises``, the results of the tests that no exercise lists."""
+    listed = ep.load_exercises()
+    out = []
+    for chapter in dict.fromkeys(ex.chapter for ex in exercises):
+        o = OtherTests(chapter)
+        o.tests = [
+            r
+            for nodeid, r in results.items()
+            if nodeid.startswith(chapter + "/") and not any(ex.selects(nodeid) for ex in listed)
+        ]
+        o.passed = sum(r.outcome == "passed" for r in o.tests)
+        o.skipped = sum(r.outcome == "skipped" for r in o.tests)
+        o.failed = len(o.tests) - o.passed - o.skipped
+        out.append(o)
+    return out
+
+
+def grade_all(
+    impl: str = "student",
+    exercises_dir: Path | None = None,
+    chapters: list[str] | None = None,
+    ids: list[str] | None = None,
+    other_tests: bool = True,
+) -> tuple[list[ExerciseScore], list[OtherTests]]:
+    """Scores of every exercise of ``chapters`` (all chapters with a registry by default; only
+    ``ids`` if given) and, with ``other_tests``, the results of their chapters' other tests."""
+    exercises = [
+        ex for ex in ep.load_exercises() if (not chapters or ex.chapter in chapters) and (not ids or ex.id in ids)
+    ]
+    if not exercises:
+        return [], []
+    # One pytest run for all of them: torch and the chapters are imported once.
+    results = run_tests(exercises, impl, exercises_dir, other_tests=other_tests)
+    return score(exercises, results), others(exercises, results) if other_tests else []
+
+
 def grade(
-    impl: str = "student", exercises_dir: Path | None = None, chapters: list[str] | None = None
+    impl: str = "student",
+    exercises_dir: Path | None = None,
+    chapters: list[str] | None = None,
+    ids: list[str] | None = None,
 ) -> list[ExerciseScore]:
-    """Scores of every exercise of ``chapters`` (all chapters with a registry by default)."""
-    exercises = [ex for ex in ep.load_exercises() if not chapters or ex.chapter in chapters]
-    # One pytest process for all of them: torch and the chapters are imported once.
-    return score(exercises, run_tests(exercises, impl, exercises_dir)) if exercises else []
+    """Scores of the exercises alone (their own tests only): what ``grade_all`` gives, faster."""
+    return grade_all(impl, exercises_dir, chapters, ids, other_tests=False)[0]
 
 
 def main(argv=None) -> int:
@@ -130,9 +194,21 @@ def main(argv=None) -> int:
         help="a copy of exercises/ holding the work to grade (default: exercises/)",
     )
     parser.add_argument("--chapter", action="append", help="grade only this chapter (repeatable)")
+    parser.add_argument("--exercise", action="append", help="grade only this exercise, e.g. 01.3 (repeatable)")
+    parser.add_argument(
+        "--exercise-tests-only",
+        action="store_true",
+        help="skip the chapters' other tests (those no exercise lists): a quicker run",
+    )
     parser.add_argument("--json", type=Path, help="also write the scores, test by test, as JSON")
     args = parser.parse_args(argv)
-    scores = grade(args.impl, args.exercises_dir.resolve() if args.exercises_dir else None, args.chapter)
+    scores, other = grade_all(
+        args.impl,
+        args.exercises_dir.resolve() if args.exercises_dir else None,
+        args.chapter,
+        args.exercise,
+        other_tests=not args.exercise_tests_only,
+    )
     print(f"{'exercise':<9} {'target':<66} {'passed':>8}  note")
     for s in scores:
         note = (
@@ -147,8 +223,14 @@ def main(argv=None) -> int:
         print(f"{s.id:<9} {s.target:<66} {s.passed:>3}/{s.total:<4}  {note}")
     full = sum(s.passed == s.total > 0 for s in scores)
     print(f"\n{full}/{len(scores)} exercises complete")
+    for o in other:
+        print(f"{o.chapter}: other tests of the chapter: {o.passed} passed, {o.failed} failed")
+        for r in o.tests:
+            if r.outcome not in ("passed", "skipped"):
+                print(f"  {r.outcome}: {r.nodeid}")
     if args.json:
-        args.json.write_text(json.dumps([asdict(s) for s in scores], indent=2))
+        report = {"exercises": [asdict(s) for s in scores], "other_tests": [asdict(o) for o in other]}
+        args.json.write_text(json.dumps(report, indent=2))
     return 0
 
 

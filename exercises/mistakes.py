@@ -1,0 +1,150 @@
+"""The catalogue of classic wrong answers, and the check that the grader catches every one.
+
+Each ``<chapter>/mistakes/<exercise id>_<slug>.py`` holds one wrong version of an exercise's stub
+function (same name, same parameters), whose one-line docstring names the misconception: the
+mistakes a learner really writes, such as a slot mapping that assumes a sequence's blocks are
+contiguous. ``check`` plants each one into the answer key (``make_stubs.py --solutions``) and
+grades its exercise: every mistake must lose marks, or the tests have a hole.
+
+    python exercises/mistakes.py                         # every chapter
+    python exercises/mistakes.py --chapter 01_paged_kv   # one chapter
+
+A round plants one mistake of every exercise at once and grades them in one pytest run: an
+exercise's tests swap in only that exercise (exercise_plugin.py), so the mistakes planted beside
+it never reach them. An exercise with three mistakes takes three rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import exercise_plugin as ep
+import grade
+import make_stubs
+
+MISTAKES_DIR = "mistakes"
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """One catalogued wrong answer to ``exercise``, in the file ``path``."""
+
+    exercise: ep.Exercise
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return f"{self.exercise.chapter}/{MISTAKES_DIR}/{self.path.name}"
+
+    @property
+    def misconception(self) -> str:
+        """The docstring's line: what the wrong answer believes."""
+        fn = self.function_node()
+        return (ast.get_docstring(fn) or "").strip() if fn else ""
+
+    def function_node(self) -> ast.FunctionDef | None:
+        """The file's definition of the stub function, if it has one."""
+        for node in ast.parse(self.path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name == self.exercise.stub_name:
+                return node
+        return None
+
+
+def load_mistakes(exercises_dir: Path = ep.EXERCISES_DIR) -> list[Mistake]:
+    """Every catalogued mistake, in exercise order; a file whose id names no exercise is an error."""
+    exercises = {ex.id: ex for ex in ep.load_exercises(exercises_dir)}
+    found = []
+    for path in sorted(Path(exercises_dir).glob(f"*/{MISTAKES_DIR}/*.py")):
+        ex_id = path.stem.split("_", 1)[0]
+        ex = exercises.get(ex_id)
+        if ex is None or ex.chapter != path.parent.parent.name:
+            raise ValueError(f"{path}: its name must start with an exercise id of {path.parent.parent.name}")
+        found.append(Mistake(ex, path))
+    order = list(exercises)
+    return sorted(found, key=lambda m: (order.index(m.exercise.id), m.path.name))
+
+
+def plant(stub_text: str, mistake: Mistake, defined: set[str]) -> str:
+    """``stub_text`` (a stub file) with ``mistake``'s function defined last, so it wins.
+
+    The mistake's own imports of names the stub file defines are dropped: they would put the
+    book's version of another exercise in place of what was planted for it.
+    """
+    source = mistake.path.read_text()
+    kept = []
+    for node in ast.parse(source).body:
+        text = ast.get_source_segment(source, node) or ""
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            text = make_stubs._without(text, defined)
+        if text:
+            kept.append(text)
+    return stub_text + f"\n\n# Planted: {mistake.name}\n" + "\n\n".join(kept) + "\n"
+
+
+def rounds(mistakes: list[Mistake]) -> list[list[Mistake]]:
+    """Round ``r`` holds the ``r``-th mistake of every exercise that has one."""
+    per_exercise: dict[str, list[Mistake]] = {}
+    for m in mistakes:
+        per_exercise.setdefault(m.exercise.id, []).append(m)
+    depth = max((len(ms) for ms in per_exercise.values()), default=0)
+    return [[ms[r] for ms in per_exercise.values() if r < len(ms)] for r in range(depth)]
+
+
+def answer_key(chapters: list[str] | None = None) -> dict[Path, str]:
+    """The answer key's stub files (relative path -> text)."""
+    return make_stubs.expected_files(solutions=True, chapters=chapters)
+
+
+def grade_round(batch: list[Mistake], key: dict[Path, str], workdir: Path) -> list[tuple[Mistake, grade.ExerciseScore]]:
+    """Plant ``batch`` (at most one mistake per exercise) into the answer key and grade them."""
+    files = dict(key)
+    all_exercises = ep.load_exercises()
+    for m in batch:
+        rel = Path(m.exercise.chapter) / m.exercise.stub_file
+        defined = {
+            ex.stub_name
+            for ex in all_exercises
+            if ex.chapter == m.exercise.chapter and ex.stub_file == m.exercise.stub_file
+        }
+        files[rel] = plant(files[rel], m, defined)
+    for rel, text in files.items():
+        (workdir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (workdir / rel).write_text(text)
+    scores = {s.id: s for s in grade.grade("student", exercises_dir=workdir, ids=[m.exercise.id for m in batch])}
+    return [(m, scores[m.exercise.id]) for m in batch]
+
+
+def check(chapters: list[str] | None = None) -> list[tuple[Mistake, grade.ExerciseScore]]:
+    """Grade every catalogued mistake of ``chapters``; each result should be below full marks."""
+    mistakes = [m for m in load_mistakes() if not chapters or m.exercise.chapter in chapters]
+    key = answer_key(sorted({m.exercise.chapter for m in mistakes}))
+    results = []
+    for r, batch in enumerate(rounds(mistakes)):
+        with tempfile.TemporaryDirectory(prefix=f"mistakes-round{r}-") as tmp:
+            results += grade_round(batch, key, Path(tmp))
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chapter", action="append", help="only this chapter (repeatable)")
+    args = parser.parse_args(argv)
+    missed = 0
+    for m, s in check(args.chapter):
+        caught = s.total > 0 and s.passed < s.total
+        missed += not caught
+        verdict = f"caught {s.passed}/{s.total}" if caught else f"MISSED {s.passed}/{s.total}"
+        print(f"{verdict:<14} {m.name}: {m.misconception}")
+    print(f"\n{missed} mistake(s) scored full marks")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The catalogue of classic wrong answers (exercises/<chapter>/mistakes/) and the grader agree.
+
+Fast checks: every exercise has at least one catalogued mistake, and each mistake is the stub
+function (its name, the reference's parameters) with a one-line docstring naming the
+misconception. Slow checks (one pytest subprocess per round, per chapter): each mistake,
+planted into the answer key, loses marks on its own exercise, with a failure that says so.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXERCISES = ROOT / "exercises"
+
+
+def _load(name: str, path: Path):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ep = _load("vfs_exercise_plugin", EXERCISES / "exercise_plugin.py")
+# What the exercises/ scripts import by their plain names.
+sys.modules.setdefault("exercise_plugin", ep)
+sys.modules.setdefault("make_stubs", _load("vfs_exercise_make_stubs", EXERCISES / "make_stubs.py"))
+sys.modules.setdefault("grade", _load("vfs_exercise_grade", EXERCISES / "grade.py"))
+mistakes = _load("vfs_exercise_mistakes", EXERCISES / "mistakes.py")
+
+ALL = ep.load_exercises()
+MISTAKES = mistakes.load_mistakes()
+CHAPTERS = sorted({ex.chapter for ex in ALL})
+
+
+@pytest.mark.parametrize("ex", ALL, ids=lambda ex: ex.id)
+def test_every_exercise_has_a_catalogued_mistake(ex):
+    assert any(m.exercise == ex for m in MISTAKES), (
+        f"exercise {ex.id} has no wrong answer in exercises/{ex.chapter}/{mistakes.MISTAKES_DIR}/: "
+        f"add {ex.id}_<slug>.py defining a wrong {ex.stub_name}"
+    )
+
+
+@pytest.mark.parametrize("m", MISTAKES, ids=lambda m: m.path.stem)
+def test_mistake_is_the_stub_function_with_its_misconception(m):
+    node = m.function_node()
+    assert node is not None, f"{m.name} defines no {m.exercise.stub_name}"
+    assert m.misconception and "\n" not in m.misconception, f"{m.name}: a one-line docstring names the mistake"
+    spec = importlib.util.spec_from_file_location(f"vfs_mistake_{m.path.stem.replace('.', '_')}", m.path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    wrong = getattr(module, m.exercise.stub_name)
+    assert ep.signature_key(wrong) == ep.signature_key(ep.reference_function(m.exercise)), (
+        f"{m.name}: parameters differ from {m.exercise.target}'s"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_mistake_loses_marks(chapter):
+    if not any(m.exercise.chapter == chapter for m in MISTAKES):
+        pytest.skip(f"{chapter} has no catalogued mistakes")
+    missed = []
+    for m, s in mistakes.check([chapter]):
+        if s.total == 0:
+            missed.append(f"{m.name}: none of exercise {m.exercise.id}'s tests ran")
+        elif s.passed == s.total:
+            missed.append(f"{m.name} scores {s.passed}/{s.total}: {m.misconception}")
+    assert not missed, "the tests do not catch these wrong answers:\n" + "\n".join(missed)
