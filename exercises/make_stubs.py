@@ -30,7 +30,12 @@ import tomllib
 
 
 def readme_anchor(ex: ep.Exercise) -> str:
-    return f"{ex.chapter}/README.md#exercises"
+    """The Exercises section that lists ``ex``: its chapter README's, or that of the page its
+    registry entry names in an optional ``readme`` key (a chapter's topic page)."""
+    with open(ep.EXERCISES_DIR / ex.chapter / ep.REGISTRY_NAME, "rb") as f:
+        entries = tomllib.load(f).get("exercise", [])
+    readme = next((e.get("readme") for e in entries if e["id"] == ex.id), None)
+    return f"{readme or f'{ex.chapter}/README.md'}#exercises"
 
 
 def stub_error(ex: ep.Exercise) -> str:

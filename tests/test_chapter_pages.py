@@ -7,7 +7,9 @@ back within a page ("Exercises", "Measured results") is two texts stitched toget
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,36 @@ def test_no_heading_repeats_within_a_page(page):
     seen = headings(page.read_text(encoding="utf-8"))
     repeated = sorted({h for h in seen if seen.count(h) > 1})
     assert not repeated, f"{page.relative_to(ROOT)}: headings repeated: {repeated}"
+
+
+def _load(name: str, path: Path):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_each_exercise_points_at_the_page_that_lists_it():
+    """A stub's error names a page's Exercises section (make_stubs.readme_anchor): that page exists
+    and its section lists the exercise (07.S1a and 07.S1b are listed as 07.S1)."""
+    ep = _load("vfs_exercise_plugin", ROOT / "exercises" / "exercise_plugin.py")
+    sys.modules.setdefault("exercise_plugin", ep)  # what make_stubs imports
+    make_stubs = _load("vfs_exercise_make_stubs", ROOT / "exercises" / "make_stubs.py")
+    for ex in ep.load_exercises():
+        page, _, anchor = make_stubs.readme_anchor(ex).partition("#")
+        assert anchor == "exercises" and (ROOT / page).is_file(), f"{ex.id}: no page {page}"
+        if not page.startswith("07_engine/"):
+            continue
+        text = (ROOT / page).read_text(encoding="utf-8")
+        section = text.split("\n## Exercises\n", 1)
+        assert len(section) == 2, f"{page} has no '## Exercises' section ({ex.id} points there)"
+        listed = re.sub(r"[a-z]$", "", ex.id)
+        assert re.search(rf"\*\*{re.escape(listed)}\*\*", section[1].split("\n## ", 1)[0]), (
+            f"{page}#exercises does not list {listed} ({ex.id})"
+        )
 
 
 def test_headings_are_found_outside_code_only():

@@ -21,7 +21,9 @@ def capture_batch_sizes(max_num_seqs: int) -> list[int]:
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.T2a
     """
-    raise NotImplementedError("Exercise 07.T2a: implement capture_batch_sizes — see 07_engine/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 07.T2a: implement capture_batch_sizes — see 07_engine/topics/cuda_graphs.md#exercises"
+    )
 
 
 def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -37,4 +39,6 @@ def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: A
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.T2b
     """
-    raise NotImplementedError("Exercise 07.T2b: implement CUDAGraphRunner.run — see 07_engine/README.md#exercises")
+    raise NotImplementedError(
+        "Exercise 07.T2b: implement CUDAGraphRunner.run — see 07_engine/topics/cuda_graphs.md#exercises"
+    )

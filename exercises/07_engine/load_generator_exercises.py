@@ -18,4 +18,4 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.S4
     """
-    raise NotImplementedError("Exercise 07.S4: implement summarize — see 07_engine/README.md#exercises")
+    raise NotImplementedError("Exercise 07.S4: implement summarize — see 07_engine/topics/serving.md#exercises")

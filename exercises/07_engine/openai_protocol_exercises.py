@@ -22,7 +22,7 @@ def check_supported_sampling(self) -> None:
     Checked by: pytest 07_engine/ --impl=student --exercise 07.S1a
     """
     raise NotImplementedError(
-        "Exercise 07.S1a: implement _SamplingFields.check_supported — see 07_engine/README.md#exercises"
+        "Exercise 07.S1a: implement _SamplingFields.check_supported — see 07_engine/topics/serving.md#exercises"
     )
 
 
@@ -38,5 +38,5 @@ def check_supported_completion(self) -> None:
     Checked by: pytest 07_engine/ --impl=student --exercise 07.S1b
     """
     raise NotImplementedError(
-        "Exercise 07.S1b: implement CompletionRequest.check_supported — see 07_engine/README.md#exercises"
+        "Exercise 07.S1b: implement CompletionRequest.check_supported — see 07_engine/topics/serving.md#exercises"
     )
