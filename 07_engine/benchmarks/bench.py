@@ -11,9 +11,11 @@ nothing for continuous batching to exploit).
 
 ``--gpu``: nano-vllm's bench.py workload (256 sequences, input and output lengths uniform in
 [100, 1024], temperature 0.6, ignore_eos) on a random checkpoint shaped like Qwen3-0.6B, built
-with transformers (no hub), eager and with CUDA graphs, on the engine and on nano-vllm itself,
-run from its source (``--nano-vllm DIR``, found at ``shared/peers/nano-vllm`` where it exists) by
-``nanovllm_peer_runner.py`` on the same prompts; the ratio column is against nano-vllm's best.
+with transformers (no hub; a small tokenizer is trained beside it), eager and with CUDA graphs,
+on the engine, on nano-vllm itself, run from its source (``--nano-vllm DIR``, found at
+``shared/peers/nano-vllm`` where it exists, and only where flash-attn imports) by
+``nanovllm_peer_runner.py`` on the same prompts, and on transformers' ``generate`` (greedy, at
+each of ``--hf-batch-sizes``); the ratio columns are against the best of each peer.
 
 Throughput counts the tokens that were asked for (sum of max_tokens) over wall time, for both
 sides: transformers pads every request of a batch to the longest output, and that waste is its
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import random
@@ -88,10 +91,8 @@ def bench_engine(
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # as vllm_peer_runner does
     rates = []
     for batch_prompts, batch_outputs in [(prompts, outputs), *(more_workloads or [])]:
-        params = [
-            SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=i)
-            for i, m in enumerate(batch_outputs)
-        ]
+        # Unseeded, as nano-vllm's bench.py: a seeded row costs one noise draw of its own per step.
+        params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True) for m in batch_outputs]
         watch.before()
         start = time.perf_counter()
         outs = llm.generate(batch_prompts, params, use_tqdm=True)
@@ -104,19 +105,25 @@ def bench_engine(
 
 
 def bench_transformers(
-    model_dir: str, prompts, outputs, dtype: str, batch_size: int, watch: LoadWatch | None = None
+    model_dir: str,
+    prompts,
+    outputs,
+    dtype: str,
+    batch_size: int,
+    watch: LoadWatch | None = None,
+    device: str = "cpu",
 ) -> float:
     """transformers' ``generate`` in static left-padded batches; output tok/s counts requested tokens."""
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
     def run(batch_prompts, max_new):
         width = max(map(len, batch_prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts], device=device)
         with torch.inference_mode():
             model.generate(
                 input_ids=ids,
@@ -133,37 +140,62 @@ def bench_transformers(
     start = time.perf_counter()
     for i in tqdm(range(0, len(prompts), batch_size), desc=f"transformers {dtype}"):
         run(prompts[i : i + batch_size], max(outputs[i : i + batch_size]))
+    if device != "cpu":
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     watch.after()
     return sum(outputs) / elapsed
 
 
-def make_qwen3_06b_shaped(path: str) -> str:
+# Qwen3-0.6B's shape (its config.json), the checkpoint nano-vllm's bench.py runs.
+QWEN3_06B_SHAPE = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+)
+
+
+def make_small_tokenizer(path: str) -> None:
+    """A byte-level BPE tokenizer of a few hundred tokens, trained here on one sentence and saved
+    at ``path``: nano-vllm (and the engine's detokenizer) load a tokenizer even for token-id
+    prompts, and ids past its vocabulary decode to nothing. Built, not copied, so a bare GPU
+    machine without the default model (``.models/`` never travels) can make it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(
+        ["the paged KV cache holds blocks of tokens that attention reads through block tables"], trainer
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.save_pretrained(path)
+
+
+def make_qwen3_06b_shaped(path: str, **overrides: int) -> str:
+    """A random-weight bfloat16 checkpoint shaped like Qwen3-0.6B (``overrides`` shrink it for a
+    CPU dry run) with :func:`make_small_tokenizer`'s tokenizer, built with transformers at ``path``."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        dtype="bfloat16",
+        **{**QWEN3_06B_SHAPE, **overrides}, tie_word_embeddings=True, rms_norm_eps=1e-6, dtype="bfloat16"
     )
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
-    # nano-vllm loads a tokenizer even for token-id prompts; any will do (ids past its vocabulary
-    # decode to nothing), so the default model's is copied beside the weights.
-    from transformers import AutoTokenizer
-
-    from vllm_from_scratch import default_model_dir
-
-    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(path)
+    make_small_tokenizer(path)
     return path
 
 
@@ -480,31 +512,54 @@ def bench_nanovllm(
 
 def run_gpu(args: argparse.Namespace, load_before: str) -> None:
     """nano-vllm's workload on a random Qwen3-0.6B-shaped checkpoint, eager and with CUDA graphs,
-    on the engine and on nano-vllm itself (where its source is found)."""
+    on the engine, on nano-vllm itself (where its source and flash-attn are found) and on
+    transformers' ``generate`` (greedy, static batches of ``--hf-batch-sizes``). A peer that
+    cannot run or fails is reported and skipped; the engine's rows are always measured."""
     model_dir = args.model or make_qwen3_06b_shaped(tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
     prompts, outputs = make_workload(256, (100, 1024), (100, 1024), 10000, args.seed)
+    nano_vllm = args.nano_vllm
+    if nano_vllm is None:
+        print(f"nano-vllm not run: no source at {', '.join(map(str, NANO_VLLM_DIRS))} (pass --nano-vllm DIR)")
+    elif importlib.util.find_spec("flash_attn") is None:
+        print("nano-vllm not run: it needs flash-attn, which is not installed here")
+        nano_vllm = None
     rows, peer = [], []
     for eager in (True, False):
         mode = "eager" if eager else "CUDA graphs"
         # nano-vllm first: its process exits and returns all its memory before the engine sizes its
         # KV cache, and the engine's is released (below) before the next nano-vllm run sizes its own.
-        if args.nano_vllm is not None:
-            report = bench_nanovllm(args.nano_vllm, model_dir, prompts, outputs, 0.6, eager)
-            peer.append((f"nano-vllm bf16 ({mode})", report["output_tokens_per_s"]))
+        if nano_vllm is not None:
+            try:
+                report = bench_nanovllm(nano_vllm, model_dir, prompts, outputs, 0.6, eager)
+                peer.append((f"nano-vllm bf16 ({mode})", report["output_tokens_per_s"]))
+            except (RuntimeError, OSError, KeyError, json.JSONDecodeError) as exc:
+                print(f"nano-vllm ({mode}) failed, skipped: {exc}")
         (tps,), _ = bench_engine(
             model_dir, prompts, outputs, 0.6, max_model_len=4096, enforce_eager=eager, dtype="bfloat16"
         )
         rows.append((f"engine bf16 ({mode})", tps))
         gc.collect()
         torch.cuda.empty_cache()
+    hf = []
+    for b in args.hf_batch_sizes:
+        try:
+            hf.append(
+                (
+                    f"transformers bf16 greedy (batch {b})",
+                    bench_transformers(model_dir, prompts, outputs, "bfloat16", b, device="cuda"),
+                )
+            )
+        except torch.cuda.OutOfMemoryError as exc:
+            print(f"transformers at batch {b} ran out of memory, skipped: {exc}")
+        gc.collect()
+        torch.cuda.empty_cache()
     print(
         f"\n{torch.cuda.get_device_name()}, Qwen3-0.6B-shaped random weights, 256 seqs, in/out 100-1024; "
         f"host {machine_line()}; load average before {load_before}, after {load_average()}"
     )
-    if args.nano_vllm is None:
-        print(f"nano-vllm not run: no source at {', '.join(map(str, NANO_VLLM_DIRS))} (pass --nano-vllm DIR)")
+    best_hf = max((t for _, t in hf), default=None)
     best_peer = max((t for _, t in peer), default=None)
-    print_table(rows + peer, None, best_peer, peer_name="nano-vllm")
+    print_table(rows + peer + hf, best_hf, best_peer, peer_name="nano-vllm")
     if args.json:
         write_json(
             args.json,
@@ -515,8 +570,8 @@ def run_gpu(args: argparse.Namespace, load_before: str) -> None:
                 "output_len": [100, 1024],
                 "temperature": 0.6,
             },
-            rows + peer,
-            None,
+            rows + peer + hf,
+            best_hf,
             load_before,
             best_peer,
             peer_name="nano-vllm",
