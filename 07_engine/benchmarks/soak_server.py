@@ -1,7 +1,7 @@
 """Soak the server: load past its batch size, with preemption, while another client sends every
 kind of bad request; afterwards nothing may be left running, and memory must not grow.
 
-    python 07_engine/benchmarks/soak_server.py --duration 240            # the long soak (README)
+    python 07_engine/benchmarks/soak_server.py --duration 240            # the long soak (topics/serving.md)
     python 07_engine/benchmarks/soak_server.py --duration 0 --rounds 3   # what test_server_soak.py runs
 
 The server runs with an API key (passed in ``VLLM_API_KEY``, as an operator should), a KV cache

@@ -4,8 +4,8 @@ Load past ``max_num_seqs`` with preemption, while a second client sends every ki
 request; every bad request must get its 4xx, every load request must finish, the server must be
 idle by its own ``/metrics`` after each round (no request running or waiting, no KV block held,
 aborted and dropped streams included), and its memory, file descriptors and threads must not
-grow after the first round. The long version and its measured result are in the README's
-Serving section.
+grow after the first round. The long version and its measured result are in
+07_engine/topics/serving.md, "The soak".
 """
 
 import pytest

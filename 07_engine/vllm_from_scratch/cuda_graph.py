@@ -1,6 +1,6 @@
 """CUDA graphs for decode: launch a whole forward with one call instead of hundreds.
 
-nano-vllm's scheme (07_engine/README.md, "CUDA graphs for decode"): decode forwards captured at
+nano-vllm's scheme (07_engine/topics/cuda_graphs.md): decode forwards captured at
 :func:`capture_batch_sizes`; a batch of ``n`` replays the smallest captured size ``>= n`` from
 static buffers, its extra rows padded with slot -1 (store nothing) and context length 1 (not 0:
 no kernel meets an empty softmax). The LM head stays outside the graph. The captured forward must

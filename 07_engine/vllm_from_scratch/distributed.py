@@ -20,7 +20,7 @@ samples. The engine reaches the ranks through ``executor.call(method, *args)``, 
      └─ scheduler.update_from_output(scheduler_output, sampled)
 
 Calls travel over a gloo control group; the compute group is NCCL on a GPU, gloo on the CPU. Why
-each choice, against nano-vllm's: 07_engine/README.md, "Starting, calling, stopping".
+each choice, against nano-vllm's: 07_engine/topics/tensor_parallel.md, "Starting, calling, stopping".
 """
 
 from __future__ import annotations
