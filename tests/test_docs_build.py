@@ -6,6 +6,7 @@ without a page. The hook (docs/hooks/book_pages.py) is tested directly for its l
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,51 @@ def test_links_are_rewritten_for_the_site():
         "[c1](01_paged_kv/README.md) [d](docs/teaching.md)", "README.md", "getting-started.md", pages, {}
     )
     assert root == "[c1](01_paged_kv/README.md) [d](teaching.md)"
+
+
+def test_docs_pages_are_written_for_the_repository_and_rewritten_for_the_site():
+    hook = _hook()
+    pages = {"README.md": "getting-started.md", "01_paged_kv/README.md": "01_paged_kv/README.md"}
+    assets = {}
+    text = (
+        "[c1](../01_paged_kv/README.md#slot-mapping) [start](../README.md) [g](glossary.md) "
+        "[code](../01_paged_kv/block_manager.py) ![f](figures/kv_pool.png)\n"
+    )
+    out = hook.docs_page_for_site(text, "index.md", pages, assets)
+    assert out == (
+        "[c1](01_paged_kv/README.md#slot-mapping) [start](getting-started.md) [g](glossary.md) "
+        "[code](01_paged_kv/block_manager.py) ![f](figures/kv_pool.png)\n"
+    )
+    assert assets == {"01_paged_kv/block_manager.py": "01_paged_kv/block_manager.py"}
+
+
+def test_docs_links_resolve_in_the_repository():
+    """A reader of the repository (GitHub, an editor) follows the docs pages' links as written.
+
+    Generated sections are left out: their links come from the chapter pages, where a broken one
+    is the chapter's to fix (and ``mkdocs build --strict`` reports it).
+    """
+    hook = _hook()
+    broken = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = hook.SECTION_RE.sub("", page.read_text(encoding="utf-8"))
+        for line, in_code in hook._split_lines_outside_fences(text):
+            for match in [] if in_code else hook.LINK_RE.finditer(line):
+                target = match.group(2).partition("#")[0]
+                if target and not re.match(r"^[a-z][a-z0-9+.-]*:", target) and not (page.parent / target).exists():
+                    broken.append(f"{page.relative_to(ROOT)}: {match.group(2)}")
+    assert not broken, "\n".join(broken)
+
+
+def test_generated_sections_are_committed_and_current():
+    """The docs pages read complete without a build: each generated section is in the file, current."""
+    hook = _hook()
+    names = {m.group("name") for p in hook.pages_with_sections() for m in hook.SECTION_RE.finditer(p.read_text())}
+    assert names == set(hook.GENERATED)
+    assert hook.stale_pages() == [], "generated sections are stale: run python docs/hooks/book_pages.py --write"
+    for page in hook.pages_with_sections():
+        site = hook.fill_sections(page.read_text(encoding="utf-8"), keep_markers=False)
+        assert "<!-- book:" not in site and "<!-- /book:" not in site
 
 
 @pytest.mark.slow

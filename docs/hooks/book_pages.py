@@ -7,23 +7,30 @@ book-level pages. At build time this hook:
   the repository's ``README.md`` as ``getting-started.md``, and lists the chapters in the nav; a
   chapter's other pages (``0X_chapter/*.md``, ``0X_chapter/topics/*.md``) are published beside
   its README and listed under it, in the order the README links them;
-* rewrites their relative links for the site: a link into ``docs/`` points at that page, a link
-  to another README points at its page, and a link to any other file of the repository (code,
-  a figure) keeps working because that file is published beside the page;
-* fills ``<!-- book:chapter-results -->`` (in ``results.md``) with the measured-results
-  section of each chapter page and ``<!-- book:exercises -->`` (in ``exercises.md``) with the exercise
-  registries of ``exercises/``.
+* rewrites the relative links of every page, ``docs/`` included, for the site: the pages are
+  written for the repository (``docs/reading-path.md`` links ``../01_paged_kv/README.md``), so a
+  link into ``docs/`` points at that page, a link to a README at its page, and a link to any other
+  file of the repository (code, a figure) keeps working because that file is published beside the
+  page;
+* fills the generated sections of the ``docs/`` pages afresh (``GENERATED``): the chapter sizes,
+  the engine's imports, the figures, each chapter page's measured results, the exercises.
 
-A link to something that does not exist is left alone, so ``mkdocs build --strict`` still fails
-on it. Registered in ``mkdocs.yml`` under ``hooks:``.
+The generated sections are also committed, between ``<!-- book:NAME -->`` and
+``<!-- /book:NAME -->``, so the pages read complete in the repository without a build;
+``python docs/hooks/book_pages.py --write`` refreshes them and ``--check`` fails when one is stale
+(``tests/test_docs_build.py`` runs it). A link to something that does not exist is left alone, so
+``mkdocs build --strict`` still fails on it. Registered in ``mkdocs.yml`` under ``hooks:``.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import posixpath
 import re
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import tomllib
@@ -128,6 +135,28 @@ def rewrite_links(text: str, repo_path: str, site_path: str, pages: dict[str, st
     return "".join(out)
 
 
+def relocate_links(text: str, from_path: str, to_path: str) -> str:
+    """Rewrite the relative links of text taken from repository file ``from_path`` so that they
+    point at the same files from ``to_path`` (links to files that do not exist are left alone)."""
+    from_dir, to_dir = posixpath.dirname(from_path), posixpath.dirname(to_path)
+
+    def fix(match: re.Match) -> str:
+        prefix, target, title = match.group(1), match.group(2), match.group(3) or ""
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith(("#", "/")):
+            return match.group(0)
+        path, _, anchor = target.partition("#")
+        resolved = posixpath.normpath(posixpath.join(from_dir, path))
+        if resolved.startswith("..") or not (ROOT / resolved).exists():
+            return match.group(0)
+        rel = posixpath.relpath(resolved, to_dir or ".")
+        return f"{prefix}{rel}{'#' + anchor if anchor else ''}{title})"
+
+    out = []
+    for line, in_code in _split_lines_outside_fences(text):
+        out.append(line if in_code else LINK_RE.sub(fix, line))
+    return "".join(out)
+
+
 def results_section(chapter: str, repo_path: str | None = None) -> str | None:
     """The measured-results section (heading to the next heading of its level) of the chapter's
     README, or of another of its pages."""
@@ -149,21 +178,21 @@ def results_section(chapter: str, repo_path: str | None = None) -> str | None:
     return None
 
 
-def chapter_results_markdown(pages, assets) -> str:
+def chapter_results_markdown() -> str:
+    """Each chapter page's measured-results section, its links fixed for ``docs/results.md``."""
     parts = []
     for chapter in chapters():
         for repo_path in chapter_pages(chapter):
             section = results_section(chapter, repo_path)
             if section is None:
                 continue
-            # The section is moved to results.md at the site root: fix its links from there.
-            section = rewrite_links(section, repo_path, "results.md", pages, assets)
+            section = relocate_links(section, repo_path, "docs/results.md")
             section = re.sub(r"^(#{1,4}) ", lambda m: "#" * min(len(m.group(1)) + 2, 6) + " ", section, flags=re.M)
             title = chapter_title(chapter)
             if not repo_path.endswith("/README.md"):
                 title = f"{title}: {page_title(repo_path)}"
             where = chapter if repo_path.endswith("/README.md") else repo_path
-            parts.append(f"### {title}\n\nFrom [{where}]({repo_path}).\n\n{section}\n")
+            parts.append(f"### {title}\n\nFrom [{where}](../{repo_path}).\n\n{section}\n")
     return "\n".join(parts) if parts else "_No chapter has published measured results yet._\n"
 
 
@@ -183,7 +212,7 @@ def exercises_markdown() -> str:
                 f"`exercises/{chapter}/{stub_file}` | {tests} |"
             )
         title = chapter_title(chapter) if (ROOT / chapter / "README.md").exists() else chapter
-        link = f"[{title}]({chapter}/README.md)" if (ROOT / chapter / "README.md").exists() else title
+        link = f"[{title}](../{chapter}/README.md)" if (ROOT / chapter / "README.md").exists() else title
         parts.append(f"### {link}\n\n" + "\n".join(rows) + "\n")
     return "\n".join(parts)
 
@@ -205,7 +234,9 @@ def chapter_sizes_markdown() -> str:
         tests = sum(_code_lines(p) for p in py if p.name.startswith("test_"))
         code = sum(_code_lines(p) for p in py if not p.name.startswith("test_"))
         minutes = words / 200 + code / 20 + tests / 60
-        rows.append(f"| [{chapter}]({chapter}/README.md) | {words:,} | {code:,} | {tests:,} | {_duration(minutes)} |")
+        rows.append(
+            f"| [{chapter}](../{chapter}/README.md) | {words:,} | {code:,} | {tests:,} | {_duration(minutes)} |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -287,7 +318,7 @@ def figures_markdown() -> str:
     for fig in json.loads(manifest.read_text(encoding="utf-8")):
         if not (ROOT / "docs" / fig["image"]).exists():
             continue
-        where = f"[{fig['chapter']}]({fig['chapter']}/README.md)" if fig["chapter"] in chapters() else fig["chapter"]
+        where = f"[{fig['chapter']}](../{fig['chapter']}/README.md)" if fig["chapter"] in chapters() else fig["chapter"]
         parts.append(
             f"### {fig['title']}\n\n![{fig['title']}]({fig['image']})\n\n{fig['caption']}\n\n"
             f"Chapter {where}. Produced by `{fig['command']}` on {fig['machine']} "
@@ -296,8 +327,67 @@ def figures_markdown() -> str:
     return "\n".join(parts)
 
 
+# ------------------------------------------------------------------ generated sections
+GENERATED: dict[str, Callable[[], str]] = {  # <!-- book:NAME --> -> what fills it (links from docs/)
+    "chapter-sizes": chapter_sizes_markdown,
+    "engine-imports": engine_imports_markdown,
+    "figures": figures_markdown,
+    "chapter-results": chapter_results_markdown,
+    "exercises": exercises_markdown,
+}
+# A committed section, begin and end markers alone on their lines; or a begin marker alone.
+SECTION_RE = re.compile(
+    r"^<!-- book:(?P<name>[a-z-]+) -->[ \t]*\n(?:(?P<body>.*?)^<!-- /book:(?P=name) -->[ \t]*$)?", re.M | re.S
+)
+
+
+def fill_sections(text: str, keep_markers: bool = True) -> str:
+    """``text`` with every generated section made afresh.
+
+    ``keep_markers=True`` is the repository's form (markers around each section, so the next
+    refresh finds it); ``False`` is the site's (the content alone).
+    """
+
+    def fill(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in GENERATED:
+            return match.group(0)
+        body = GENERATED[name]().strip("\n")
+        return f"<!-- book:{name} -->\n\n{body}\n\n<!-- /book:{name} -->" if keep_markers else body
+
+    return SECTION_RE.sub(fill, text)
+
+
+def pages_with_sections() -> list[Path]:
+    """The ``docs/`` pages that hold a generated section."""
+    return [p for p in sorted((ROOT / "docs").glob("*.md")) if SECTION_RE.search(p.read_text(encoding="utf-8"))]
+
+
+def stale_pages() -> list[str]:
+    """``docs/`` pages whose committed generated sections differ from what the code gives now."""
+    return [
+        p.relative_to(ROOT).as_posix()
+        for p in pages_with_sections()
+        if fill_sections(text := p.read_text(encoding="utf-8")) != text
+    ]
+
+
+def write_sections() -> list[str]:
+    """Refresh the generated sections of the ``docs/`` pages in place; the pages that changed."""
+    changed = stale_pages()
+    for path in changed:
+        page = ROOT / path
+        page.write_text(fill_sections(page.read_text(encoding="utf-8")), encoding="utf-8")
+    return changed
+
+
 # ---------------------------------------------------------------------------- MkDocs events
 _assets: dict[str, str] = {}
+
+
+def docs_page_for_site(text: str, src_uri: str, pages: dict[str, str], assets: dict[str, str]) -> str:
+    """A ``docs/`` page as the site serves it: sections filled afresh, links pointed at the site."""
+    return rewrite_links(fill_sections(text, keep_markers=False), f"docs/{src_uri}", src_uri, pages, assets)
 
 
 def on_config(config):
@@ -324,32 +414,39 @@ def on_files(files, config):
         text = (ROOT / repo_path).read_text(encoding="utf-8")
         text = rewrite_links(text, repo_path, site_path, pages, _assets)
         files.append(File.generated(config, site_path, content=text))
-    # results.md is filled in on_page_markdown; the files its sections link to are published now.
-    chapter_results_markdown(pages, _assets)
+    # The docs pages are rewritten in on_page_markdown; the files they link to are published now.
+    for page in files.documentation_pages():
+        if page.src_uri not in pages.values() and page.abs_src_path:
+            docs_page_for_site(Path(page.abs_src_path).read_text(encoding="utf-8"), page.src_uri, pages, _assets)
     for site_path, repo_path in sorted(_assets.items()):
         if files.get_file_from_path(site_path) is None:
             files.append(File.generated(config, site_path, abs_src_path=str(ROOT / repo_path)))
     return files
 
 
-GENERATED = {  # a marker alone on its line -> what replaces it
-    "<!-- book:chapter-sizes -->": lambda: chapter_sizes_markdown(),
-    "<!-- book:engine-imports -->": lambda: engine_imports_markdown(),
-    "<!-- book:figures -->": lambda: figures_markdown(),
-    "<!-- book:chapter-results -->": lambda: chapter_results_markdown(_pages(), {}),
-    "<!-- book:exercises -->": lambda: exercises_markdown(),
-}
-
-
 def on_page_markdown(markdown, page, config, files):
-    for marker, make in GENERATED.items():
-        pattern = re.compile(rf"^{re.escape(marker)}[ \t]*$", re.M)
-        if pattern.search(markdown):
-            markdown = pattern.sub(lambda _, make=make: make(), markdown)
-    return markdown
+    pages = _pages()
+    if page.file.src_uri in pages.values():  # a repository page: on_files already rewrote it
+        return markdown
+    return docs_page_for_site(markdown, page.file.src_uri, pages, {})
 
 
-if __name__ == "__main__":  # a quick look at what the hook would publish
-    print("chapters:", ", ".join(chapters()) or "none")
-    for c in chapters():
-        print(f"{c}: results section {'found' if results_section(c) else 'missing'}")
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="The book's generated sections in docs/, and what the site publishes.")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--write", action="store_true", help="refresh the generated sections of the docs/ pages")
+    group.add_argument("--check", action="store_true", help="exit 1 when a generated section is stale")
+    args = parser.parse_args()
+    if args.write:
+        print("\n".join(f"refreshed {p}" for p in write_sections()) or "every generated section is current")
+    elif args.check:
+        stale = stale_pages()
+        print("\n".join(f"stale: {p}" for p in stale) or "every generated section is current")
+        if stale:
+            print("run: python docs/hooks/book_pages.py --write")
+        sys.exit(1 if stale else 0)
+    else:
+        print("chapters:", ", ".join(chapters()) or "none")
+        for c in chapters():
+            print(f"{c}: pages {', '.join(chapter_pages(c))}")
+        print("docs pages with generated sections:", ", ".join(p.name for p in pages_with_sections()) or "none")
