@@ -56,6 +56,34 @@ def test_hit_is_capped_so_last_token_is_recomputed():
     assert bm.get_computed_blocks(Sequence(list(range(9)), BS)) == table[:2]
 
 
+def test_a_missing_block_ends_the_hit():
+    bm = PrefixCachingBlockManager(16, BS)
+    a = Sequence(list(range(13)), BS)
+    run_prefill(bm, a)
+    del bm.cached_block_hash_to_block[bm.blocks[a.block_table[1]].block_hash]  # block 1 is gone
+    hits = bm.get_computed_blocks(Sequence(list(range(13)), BS))
+    assert hits == a.block_table[:1], (
+        f"block 1 of the prefix is not cached, so block 2 (whose K/V depends on it) cannot be reused: "
+        f"expected {a.block_table[:1]}, got {hits}"
+    )
+
+
+def test_only_computed_blocks_are_registered():
+    bm = PrefixCachingBlockManager(16, BS)
+    seq = Sequence(list(range(12)), BS)
+    assert bm.allocate_slots(seq, 12)
+    seq.num_computed_tokens = 5  # a first chunk of 5 tokens: only block 0 holds computed K/V
+    bm.cache_full_blocks(seq)
+    registered = sorted(bm.cached_block_hash_to_block.values())
+    assert registered == seq.block_table[:1], (
+        f"after computing 5 tokens only block 0 is full and computed; registered {registered}: a block "
+        "whose K/V is not written yet must not be found by another request"
+    )
+    seq.num_computed_tokens = 12
+    bm.cache_full_blocks(seq)
+    assert sorted(bm.cached_block_hash_to_block.values()) == sorted(seq.block_table)
+
+
 def test_freed_blocks_keep_hash_and_are_evicted_lru_tail_first():
     bm = PrefixCachingBlockManager(4, BS)
     a = Sequence(list(range(12)) + [99], BS)  # 3 full blocks + 1 token = all 4 blocks

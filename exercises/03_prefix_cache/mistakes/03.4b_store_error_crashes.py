@@ -1,0 +1,26 @@
+from global_kv_pool import KVBlockCorrupt, deserialize_block
+
+
+def fetch(self, block_hashes, block_token_ids, kv_cache, block_ids):
+    """Lets the store's exception escape: a remote cache that is down crashes the engine, not one load."""
+    if not len(block_hashes) == len(block_token_ids) == len(block_ids):
+        raise ValueError("block_hashes, block_token_ids and block_ids must have the same length")
+    if not block_hashes:
+        return 0
+    shape = tuple(kv_cache[:, :, 0].shape)
+    if not self.available:
+        self._fault("the store failed recently")
+        return 0
+    values = self.backend.get_many([self.block_key(h) for h in block_hashes])
+    for i, (value, tokens, block_id) in enumerate(zip(values, block_token_ids, block_ids)):
+        if value is None:
+            self._fault(f"block {i} ({block_hashes[i].hex()[:12]}) vanished before fetch")
+            return i
+        try:
+            kv = deserialize_block(value, shape, kv_cache.dtype, tuple(tokens))
+        except KVBlockCorrupt as exc:
+            self._fault(f"block {i} ({block_hashes[i].hex()[:12]}) is invalid: {exc}")
+            return i
+        kv_cache[:, :, block_id].copy_(kv)
+        self.num_fetched += 1
+    return len(block_hashes)
