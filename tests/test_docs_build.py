@@ -64,6 +64,8 @@ def test_docs_pages_are_written_for_the_repository_and_rewritten_for_the_site():
         "[code](01_paged_kv/block_manager.py) ![f](figures/kv_pool.png)\n"
     )
     assert assets == {"01_paged_kv/block_manager.py": "01_paged_kv/block_manager.py"}
+    wrapped = hook.docs_page_for_site("[the paged\nKV cache](../01_paged_kv/README.md)\n", "index.md", pages, {})
+    assert wrapped == "[the paged\nKV cache](01_paged_kv/README.md)\n"  # link text over two lines
 
 
 def test_docs_links_resolve_in_the_repository():

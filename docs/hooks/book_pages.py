@@ -98,6 +98,18 @@ def _split_lines_outside_fences(text: str):
         yield line, in_code
 
 
+def _split_runs_outside_fences(text: str):
+    """Yield (run of lines, in_code): a link whose text wraps onto the next line stays whole."""
+    run, run_in_code = "", False
+    for line, in_code in _split_lines_outside_fences(text):
+        if run and in_code != run_in_code:
+            yield run, run_in_code
+            run = ""
+        run, run_in_code = run + line, in_code
+    if run:
+        yield run, run_in_code
+
+
 def rewrite_links(text: str, repo_path: str, site_path: str, pages: dict[str, str], assets: dict[str, str]) -> str:
     """Point the relative links of ``repo_path`` (published at ``site_path``) at site paths.
 
@@ -129,10 +141,7 @@ def rewrite_links(text: str, repo_path: str, site_path: str, pages: dict[str, st
         rel = posixpath.relpath(new, site_dir or ".")
         return f"{prefix}{rel}{'#' + anchor if anchor else ''}{title})"
 
-    out = []
-    for line, in_code in _split_lines_outside_fences(text):
-        out.append(line if in_code else LINK_RE.sub(fix, line))
-    return "".join(out)
+    return "".join(run if in_code else LINK_RE.sub(fix, run) for run, in_code in _split_runs_outside_fences(text))
 
 
 def relocate_links(text: str, from_path: str, to_path: str) -> str:
@@ -151,10 +160,7 @@ def relocate_links(text: str, from_path: str, to_path: str) -> str:
         rel = posixpath.relpath(resolved, to_dir or ".")
         return f"{prefix}{rel}{'#' + anchor if anchor else ''}{title})"
 
-    out = []
-    for line, in_code in _split_lines_outside_fences(text):
-        out.append(line if in_code else LINK_RE.sub(fix, line))
-    return "".join(out)
+    return "".join(run if in_code else LINK_RE.sub(fix, run) for run, in_code in _split_runs_outside_fences(text))
 
 
 def results_section(chapter: str, repo_path: str | None = None) -> str | None:
