@@ -120,6 +120,7 @@ def test_mkdocs_build_strict(tmp_path):
         "glossary/index.html",
         "teaching/index.html",
         "exercises/index.html",
+        "sources/index.html",
     ]:
         assert (site / page).is_file(), page
     chapters = sorted(p.parent.name for p in ROOT.glob("0*_*/README.md"))

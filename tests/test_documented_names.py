@@ -53,6 +53,7 @@ HOOK = _load_hook()  # the site's build hook: it already knows the book's module
 # or higher, so its subsections are included); None checks the whole page.
 CHECKED: dict[str, list[str] | None] = {
     "docs/architecture.md": None,
+    "docs/sources.md": ["nano-vllm ↔ book names"],
     "01_paged_kv/README.md": ["The code"],
     "02_page_attention/README.md": ["The code"],
     "03_prefix_cache/README.md": [
@@ -74,6 +75,7 @@ EXTERNAL = {
     "set_context",
     "get_context",  # nano-vllm
     "SimpleBlockManager",  # seed 000's, which chapter 04's README says what replaced
+    "SequenceStatus",  # nano-vllm's, which docs/sources.md maps to RequestStatus
 }
 
 FILE_SUFFIXES = {
