@@ -121,6 +121,19 @@ def test_prompts_run_whole_then_decode_one_token_each():
     assert s.block_manager.all_blocks_free()
 
 
+def test_a_request_that_does_not_fit_the_budget_takes_no_blocks():
+    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=10, num_gpu_blocks=16, block_size=BS)
+    s.add_request(req("a", 6))
+    s.add_request(req("b", 8, max_tokens=2))  # 6 + 8 > 10: b waits for the next step
+    out = s.schedule()
+    b = s.requests["b"]
+    assert scheduled(out) == [("a", 6)]
+    assert b.block_table == [] and s.block_manager.get_num_free_blocks() == 16 - 2, (
+        f"b was not admitted (its 8 tokens exceed the 4 left in the budget), so it must hold no blocks; "
+        f"it holds {b.block_table}: ask _num_new_tokens before allocate_slots"
+    )
+
+
 def test_running_requests_come_first_and_new_ones_fill_the_budget():
     s = Scheduler(max_num_seqs=8, max_num_batched_tokens=12, num_gpu_blocks=32, block_size=BS)
     s.add_request(req("a", 4, max_tokens=6))
@@ -132,6 +145,53 @@ def test_running_requests_come_first_and_new_ones_fill_the_budget():
     out, _ = step(s)
     assert scheduled(out) == [("a", 1), ("b", 1)]  # d (11) > the 10 left: it waits whole
     assert [r.request_id for r in s.waiting] == ["d"]
+
+
+class _OneRemoteHit:
+    """A global KV pool holding the first two blocks of request "a"'s prompt, and nothing else;
+    ``busy`` makes it answer "ask again next step" for request "b"."""
+
+    def __init__(self, busy: bool = False):
+        self.busy = busy
+        self.promised: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.request_id == "b" and self.busy:
+            return None
+        return 2 * BS if request.request_id == "a" else 0
+
+    def update_state_after_alloc(self, request, num_external_tokens):
+        self.promised[request.request_id] = num_external_tokens
+
+    def request_finished(self, request):
+        self.promised.pop(request.request_id, None)
+
+
+def test_admission_asks_the_kv_connector_first():
+    pool = _OneRemoteHit()
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks=16, block_size=BS, kv_connector=pool)
+    a, c = req("a", 13), req("c", 5)
+    sched.add_request(a)
+    sched.add_request(c)
+    out = sched.schedule()
+    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS and "a" in sched.loading, (
+        f"the KV connector holds 8 of a's prompt tokens: admission (self._start_remote_load) must park "
+        f"a in WAITING_FOR_REMOTE_KVS while they load, not compute them; a is {a.status.name}"
+    )
+    assert pool.promised == {"a": 2 * BS} and scheduled(out) == [("c", 5)], (pool.promised, scheduled(out))
+
+
+def test_a_request_told_to_wait_for_a_shared_load_holds_the_queue():
+    sched = Scheduler(
+        max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks=16, block_size=BS, kv_connector=_OneRemoteHit(True)
+    )
+    sched.add_request(req("b", 5))
+    sched.add_request(req("c", 5))
+    out = sched.schedule()
+    assert scheduled(out) == [], (
+        "the connector answered None for the head of the queue (another request is loading blocks it "
+        f"shares): it waits a step and nothing overtakes it; scheduled {scheduled(out)}"
+    )
 
 
 def test_head_of_line_is_not_overtaken():
