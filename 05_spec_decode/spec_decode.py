@@ -319,7 +319,11 @@ def verify_and_sample(
     Returns ``(emitted_tokens, num_accepted)``: the accepted drafts followed by one recovered or
     bonus token, so ``len(emitted_tokens) == num_accepted + 1``: when every draft is accepted,
     the target's K+1-th distribution, already computed by the same forward, gives a bonus token.
+    ``draft_probs`` (``[K, V]``, None for one-hot drafts) is where seed 000's listing passed
+    ``temperature``; a number there is refused, so a call written for the listing fails loudly.
     """
+    if draft_probs is not None and not isinstance(draft_probs, torch.Tensor):
+        raise TypeError(f"draft_probs must be a [K, V] tensor or None, not {draft_probs!r}: pass temperature=...")
     k = len(draft_tokens)
     logits = target_model.get_logits(list(context_ids) + list(draft_tokens), k + 1)
     target_probs = probs_from_logits(logits, temperature).unsqueeze(0)
