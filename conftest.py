@@ -3,7 +3,9 @@
 Triton kernels need a GPU; without one they run in Triton's interpreter, switched on by
 ``TRITON_INTERPRET=1`` before any kernel module is imported. The book's modules only read that
 variable (no import changes the process's environment), so the test harness sets it here, once,
-for every chapter's tests and the scripts they start; a value already set is kept.
+for every chapter's tests and the scripts they start; a value already set is kept. With CUDA it
+stays unset, the kernels compile, and the same tests put a kernel's inputs on the GPU
+(``triton_setup.KERNEL_DEVICE``: a compiled kernel cannot read CPU tensors).
 
 The fixtures build tiny random Hugging Face checkpoints (Llama and Qwen3) in a temporary
 directory, so chapters 05 and 07 can compare against transformers without any download.

@@ -1,10 +1,15 @@
-"""store_kvcache: the torch scatter and the Triton kernel write exactly the same cache."""
+"""store_kvcache: the torch scatter and the Triton kernel write exactly the same cache.
+
+The Triton kernel runs where kernels run here (``triton_setup.KERNEL_DEVICE``): on CPU tensors in
+the interpreter, on CUDA tensors where it is compiled; the torch reference stays on the CPU.
+"""
 
 import pytest
 import torch
 
 from kv_cache import allocate_kv_cache
 from store_kvcache import HAS_TRITON, store_kvcache, store_kvcache_torch, store_kvcache_triton
+from triton_setup import KERNEL_DEVICE
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
@@ -55,8 +60,9 @@ def test_triton_equals_torch(dtype, heads, head_dim):
     slots[[0, 5]] = -1
     ref = cache.clone()
     store_kvcache_torch(key, value, ref[0, 0], ref[1, 0], slots)
+    key, value, cache, slots = (t.to(KERNEL_DEVICE) for t in (key, value, cache, slots))
     store_kvcache_triton(key, value, cache[0, 0], cache[1, 0], slots.to(torch.int32))
-    assert torch.equal(cache, ref)
+    assert torch.equal(cache.cpu(), ref)
 
 
 @needs_triton
@@ -70,8 +76,11 @@ def test_triton_accepts_strided_key_from_fused_qkv():
     ref = cache.clone()
     slots = torch.tensor([3, 0, 9, 15, 4])
     store_kvcache_torch(key, value, ref[0, 0], ref[1, 0], slots)
+    qkv, cache, slots = (t.to(KERNEL_DEVICE) for t in (qkv, cache, slots))
+    key = qkv[:, heads * head_dim : 2 * heads * head_dim].view(n, heads, head_dim)  # still strided
+    value = qkv[:, 2 * heads * head_dim :].view(n, heads, head_dim)
     store_kvcache_triton(key, value, cache[0, 0], cache[1, 0], slots)
-    assert torch.equal(cache, ref)
+    assert torch.equal(cache.cpu(), ref)
 
 
 def test_store_rejects_bad_arguments():

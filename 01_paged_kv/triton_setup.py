@@ -9,7 +9,10 @@ module imports triton from here, so the two facts below describe the kernels the
 
 * ``HAS_TRITON`` — triton is installed (every torch path works without it);
 * ``INTERPRETED`` — the kernels were defined for Triton's interpreter, so they run on CPU
-  tensors; without it, and without a GPU, only the torch paths run.
+  tensors; without it, and without a GPU, only the torch paths run;
+* ``KERNEL_DEVICE`` — where the tensors a kernel is launched on must live: ``"cpu"`` when
+  interpreted, ``"cuda"`` when compiled (a compiled kernel cannot read CPU memory). Tests and
+  demos that call a kernel directly put its inputs there.
 """
 
 import os
@@ -25,3 +28,4 @@ except ImportError:
 
 # The values triton itself reads as true, so this never disagrees with how the kernels were built.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
+KERNEL_DEVICE = "cpu" if INTERPRETED else "cuda"

@@ -36,7 +36,7 @@ from machine import add_quiet_arg, check_quiet, load_average, machine_line  # no
 from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen  # noqa: E402
 from paged_attention_cpu import cpu_kernel_available, paged_attention_decode_cpu  # noqa: E402
 from paged_attention_triton import paged_attention_decode_triton, paged_attention_varlen_triton  # noqa: E402
-from triton_setup import INTERPRETED  # noqa: E402
+from triton_setup import INTERPRETED, KERNEL_DEVICE  # noqa: E402
 
 
 def build_paged_cache(kv_lens, num_kv_heads, head_dim, block_size, generator, spare_blocks=4):
@@ -66,6 +66,12 @@ def build_paged_cache(kv_lens, num_kv_heads, head_dim, block_size, generator, sp
     return k_cache, v_cache, block_tables, ks, vs
 
 
+def on_kernel_device(kernel, *args):
+    """A Triton wrapper called where its kernel runs (CPU tensors interpreted, CUDA ones compiled);
+    the result comes back to the CPU to be compared."""
+    return kernel(*(a.to(KERNEL_DEVICE) if isinstance(a, torch.Tensor) else a for a in args)).cpu()
+
+
 def show_correctness(args, g):
     hq, hkv, d, bs = 8, 2, 32, args.block_size
     kv_lens = [5, 16, 17, 38]
@@ -84,7 +90,7 @@ def show_correctness(args, g):
     dense = torch.cat([dense_attention_reference(q[b : b + 1], ks[b], vs[b], scale=scale) for b in range(len(kv_lens))])
     decode = {
         "torch": paged_attention_decode(q, k_cache, v_cache, bt, lens, scale),
-        "triton": paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, scale),
+        "triton": on_kernel_device(paged_attention_decode_triton, q, k_cache, v_cache, bt, lens, scale),
     }
 
     q_lens = [5, 3, 17, 6]  # seq 0 is a fresh prompt; the others have cached context before these
@@ -95,7 +101,7 @@ def show_correctness(args, g):
     )
     varlen = {
         "torch": paged_attention_varlen(qv, k_cache, v_cache, cu, lens, bt, scale),
-        "triton": paged_attention_varlen_triton(qv, k_cache, v_cache, cu, lens, bt, scale),
+        "triton": on_kernel_device(paged_attention_varlen_triton, qv, k_cache, v_cache, cu, lens, bt, scale),
     }
     if cpu_kernel_available():
         decode["C++"] = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, scale)

@@ -4,7 +4,9 @@ Without a GPU they run in Triton's interpreter (the root conftest sets TRITON_IN
 shapes are tiny but chosen to hit every edge: uneven lengths, a length of 1, lengths ending on and
 just past a block boundary, shuffled physical blocks, garbage in every unused slot and table
 entry, GQA groups of 1, 4 and 6, cached context before the new tokens, block sizes that are not
-powers of two, and a head_dim that is not one either.
+powers of two, and a head_dim that is not one either. Where the kernels are compiled (a CUDA
+machine) the same tests run them on CUDA tensors (``triton_setup.KERNEL_DEVICE``) against the same
+CPU references.
 """
 
 import pytest
@@ -13,17 +15,23 @@ import torch
 from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen
 from paged_attention_triton import paged_attention_decode_triton, paged_attention_varlen_triton
 from test_paged_attention import TOL, assert_each_sequence_matches_dense, build_paged, decode_batch
+from triton_setup import KERNEL_DEVICE
 
 
 def _cu(q_lens):
     return torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
 
 
+def _on_kernel_device(kernel, *args, **kwargs):
+    """``kernel`` with its tensor arguments where the kernels run; the result back on the CPU."""
+    return kernel(*(a.to(KERNEL_DEVICE) if isinstance(a, torch.Tensor) else a for a in args), **kwargs).cpu()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (8, 2), (6, 1)])
 def test_decode_triton_matches_torch_and_dense(dtype, num_q_heads, num_kv_heads):
     q, k_cache, v_cache, bt, lens, ks, vs = decode_batch(num_q_heads, num_kv_heads, dtype, seed=11)
-    out = paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, 32**-0.5)
+    out = _on_kernel_device(paged_attention_decode_triton, q, k_cache, v_cache, bt, lens, 32**-0.5)
     assert out.shape == q.shape and out.dtype == dtype
     torch.testing.assert_close(
         out.float(), paged_attention_decode(q, k_cache, v_cache, bt, lens, 32**-0.5).float(), **TOL[dtype]
@@ -41,7 +49,7 @@ def test_varlen_triton_with_cached_context_matches_dense(dtype):
     k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, hkv, d, bs, dtype, seed=13)
     q = torch.randn(sum(q_lens), hq, d, generator=torch.Generator().manual_seed(14)).to(dtype)
     cu, lens = _cu(q_lens), torch.tensor(kv_lens, dtype=torch.int32)
-    out = paged_attention_varlen_triton(q, k_cache, v_cache, cu, lens, bt, d**-0.5)
+    out = _on_kernel_device(paged_attention_varlen_triton, q, k_cache, v_cache, cu, lens, bt, d**-0.5)
     torch.testing.assert_close(
         out.float(), paged_attention_varlen(q, k_cache, v_cache, cu, lens, bt, d**-0.5).float(), **TOL[dtype]
     )
@@ -54,7 +62,7 @@ def test_varlen_triton_without_causal_mask_sees_every_key():
     k_cache, v_cache, bt, ks, vs = build_paged([6, 11], 1, 8, 4, torch.float32, seed=15)
     q = torch.randn(9, 2, 8, generator=torch.Generator().manual_seed(16))
     cu, lens = _cu([6, 3]), torch.tensor([6, 11], dtype=torch.int32)
-    out = paged_attention_varlen_triton(q, k_cache, v_cache, cu, lens, bt, 0.5, causal=False)
+    out = _on_kernel_device(paged_attention_varlen_triton, q, k_cache, v_cache, cu, lens, bt, 0.5, causal=False)
     torch.testing.assert_close(out[:6], dense_attention_reference(q[:6], ks[0], vs[0], causal=False, scale=0.5))
     torch.testing.assert_close(out[6:], dense_attention_reference(q[6:], ks[1], vs[1], causal=False, scale=0.5))
 
@@ -68,11 +76,11 @@ def test_odd_block_size_and_head_dim_and_garbage_table_entries():
     lens = torch.tensor(kv_lens, dtype=torch.int32)
     g = torch.Generator().manual_seed(18)
     q_dec = torch.randn(len(kv_lens), hq, d, generator=g)
-    out_dec = paged_attention_decode_triton(q_dec, k_cache, v_cache, bt, lens, d**-0.5)
+    out_dec = _on_kernel_device(paged_attention_decode_triton, q_dec, k_cache, v_cache, bt, lens, d**-0.5)
     q_lens = [5, 4, 1, 7]
     q_var = torch.randn(sum(q_lens), hq, d, generator=g)
     cu = _cu(q_lens)
-    out_var = paged_attention_varlen_triton(q_var, k_cache, v_cache, cu, lens, bt, d**-0.5)
+    out_var = _on_kernel_device(paged_attention_varlen_triton, q_var, k_cache, v_cache, cu, lens, bt, d**-0.5)
     for b in range(len(kv_lens)):
         ref = dense_attention_reference(q_dec[b : b + 1], ks[b], vs[b], scale=d**-0.5)
         torch.testing.assert_close(out_dec[b : b + 1], ref, **TOL[torch.float32])
@@ -86,12 +94,16 @@ def test_strided_q_from_a_fused_qkv_and_varlen_decode_rows_equal_decode_kernel()
     kv_lens, hq, hkv, d, bs = [3, 9, 4], 4, 2, 16, 4
     k_cache, v_cache, bt, _, _ = build_paged(kv_lens, hkv, d, bs, torch.float32, seed=19)
     qkv = torch.randn(len(kv_lens), (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(20))
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    ref = paged_attention_decode(qkv[:, : hq * d].view(-1, hq, d), k_cache, v_cache, bt, lens, 0.3)
+    # Moved before slicing: moving a strided view would make a contiguous copy of it.
+    qkv, k_cache, v_cache, bt, lens = (t.to(KERNEL_DEVICE) for t in (qkv, k_cache, v_cache, bt, lens))
     q = qkv[:, : hq * d].view(-1, hq, d)
     assert not q.is_contiguous()
-    lens = torch.tensor(kv_lens, dtype=torch.int32)
-    dec = paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, 0.3)
-    var = paged_attention_varlen_triton(q, k_cache, v_cache, _cu([1, 1, 1]), lens, bt, 0.3, max_seqlen_q=1)
-    torch.testing.assert_close(dec, paged_attention_decode(q, k_cache, v_cache, bt, lens, 0.3))
+    dec = paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, 0.3).cpu()
+    cu = _cu([1, 1, 1]).to(KERNEL_DEVICE)
+    var = paged_attention_varlen_triton(q, k_cache, v_cache, cu, lens, bt, 0.3, max_seqlen_q=1).cpu()
+    torch.testing.assert_close(dec, ref)
     torch.testing.assert_close(var, dec)
 
 

@@ -26,7 +26,14 @@ if not torch.cuda.is_available():
 
 from bench_spec_decode import WORKLOADS, chat_prompt_ids, timed_generate  # noqa: E402
 from rejection_sampler_triton import rejection_sample_triton  # noqa: E402
-from spec_decode import num_accepted_tokens, rejection_sample, sample_rejection_noise, speculative_generate  # noqa: E402
+from spec_decode import (  # noqa: E402
+    RejectionNoise,
+    num_accepted_tokens,
+    rejection_sample,
+    sample_rejection_noise,
+    speculative_generate,
+)
+from triton_setup import KERNEL_DEVICE  # noqa: E402
 from vllm_from_scratch.viz import add_trace_argument  # noqa: E402
 
 
@@ -54,7 +61,12 @@ def toy_sampler(num_rows: int, seed: int) -> None:
     small = slice(0, 8)
     noise = sample_rejection_noise(8, K, V, generator=g)
     a = rejection_sample(draft[small], q.expand(8, K, V), p.expand(8, K + 1, V), noise=noise)
-    b = rejection_sample_triton(draft[small], q.expand(8, K, V), p.expand(8, K + 1, V), noise=noise)
+    # The kernel runs where it can: CPU tensors in the interpreter, CUDA tensors compiled.
+    dev = KERNEL_DEVICE
+    on_dev = RejectionNoise(noise.uniform.to(dev), noise.exponential.to(dev))
+    b = rejection_sample_triton(
+        draft[small].to(dev), q.expand(8, K, V).to(dev), p.expand(8, K + 1, V).to(dev), noise=on_dev
+    ).cpu()
     print(f"   torch vs Triton on 8 requests, same noise: identical = {torch.equal(a, b)}")
     print(f"   first rows (accepted drafts, then recovered/bonus, then -1): {a[:3].tolist()}")
 
