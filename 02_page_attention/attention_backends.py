@@ -84,8 +84,9 @@ def paged_attention(
         scale: softmax scale.
         max_seqlen_q: the most new tokens any sequence has (1 means a pure decode batch).
         backend: "auto" (see the module docstring), "flash", "triton", "cpp" or "torch".
-        max_seqlen_k: an upper bound of ``seq_lens_k`` known on the host; read from the tensor
-            when needed and omitted.
+        max_seqlen_k: an upper bound of ``seq_lens_k`` known on the host. Given, the flash and
+            Triton paths read nothing back from the device (no sync per layer); omitted, it is
+            read from the tensor where needed.
 
     Returns:
         ``[T, Hq, D]`` in ``q``'s dtype.
@@ -96,7 +97,7 @@ def paged_attention(
         if name == "flash":
             return flash_decode(q, k_cache, v_cache, block_tables, seq_lens_k, scale)
         if name == "triton":
-            return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens_k, scale)
+            return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, seq_lens_k, scale, max_seqlen_k)
         if name == "cpp":
             return paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens_k, scale)
         return paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens_k, scale, max_len=max_seqlen_k)
@@ -108,7 +109,15 @@ def paged_attention(
         )
     if name == "triton":
         return paged_attention_varlen_triton(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, max_seqlen_q=max_seqlen_q
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            seq_lens_k,
+            block_tables,
+            scale,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
         )
     return paged_attention_varlen(
         q,

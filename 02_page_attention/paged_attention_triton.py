@@ -51,6 +51,7 @@ def _check_common(
     lens: torch.Tensor,
     lens_name: str,
     num_seqs: int,
+    max_len: int | None,
 ) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
@@ -79,6 +80,15 @@ def _check_common(
         raise ValueError(
             f"{lens_name} must be an int32/int64 [{num_seqs}] tensor, got {lens.dtype} of shape {tuple(lens.shape)}"
         )
+    if max_len is not None:
+        # The caller's bound, known on the host: the block table is checked against it, the lengths
+        # themselves are trusted (as flash-attn trusts them), and nothing is read back from the GPU.
+        if cdiv(max_len, k_cache.shape[1]) > block_tables.shape[1]:
+            raise ValueError(
+                f"block_tables has {block_tables.shape[1]} columns, too few for max_seqlen_k "
+                f"{max_len} at block_size {k_cache.shape[1]}"
+            )
+        return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return  # the value checks below copy to the host, which a CUDA graph capture forbids
     if num_seqs and int(lens.min()) < 1:
@@ -337,6 +347,7 @@ def paged_attention_decode_triton(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its paged context; same contract as
     :func:`paged_attention.paged_attention_decode`.
@@ -347,12 +358,16 @@ def paged_attention_decode_triton(
         block_tables: ``[B, max_blocks]`` int; entries past a sequence's blocks are never read.
         context_lens: ``[B]`` int, tokens each sequence attends to (the new one included), ``>= 1``.
         scale: softmax scale.
+        max_seqlen_k: an upper bound of ``context_lens`` known on the host, as the engine's batch
+            builder knows it. Given, the call reads nothing back from the device (every decode
+            step, every layer); omitted, ``context_lens`` is checked, a device-to-host copy.
 
     Returns:
         ``[B, Hq, D]`` in ``q``'s dtype. Launches ``B × Hkv`` programs.
     """
     _require_triton()
-    _check_common(q, k_cache, v_cache, block_tables, context_lens, "context_lens", q.shape[0] if q.dim() == 3 else 0)
+    num_seqs = q.shape[0] if q.dim() == 3 else 0
+    _check_common(q, k_cache, v_cache, block_tables, context_lens, "context_lens", num_seqs, max_seqlen_k)
     q = _packed_heads(q)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -396,6 +411,7 @@ def paged_attention_varlen_triton(
     scale: float,
     causal: bool = True,
     max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
     """Packed new tokens attending to their cached context and to each other; same contract as
     :func:`paged_attention.paged_attention_varlen`.
@@ -411,6 +427,9 @@ def paged_attention_varlen_triton(
             up to it.
         max_seqlen_q: the longest ``q_len`` (sizes the grid); computed from ``cu_seqlens_q`` when
             omitted, which costs a device-to-host copy.
+        max_seqlen_k: an upper bound of ``seq_lens_k`` known on the host. Given (with
+            ``max_seqlen_q``), the call reads nothing back from the device; omitted, the lengths
+            are checked against each other and the block table, a device-to-host copy.
 
     Returns:
         ``[T, Hq, D]`` in ``q``'s dtype.
@@ -422,12 +441,13 @@ def paged_attention_varlen_triton(
             f"of shape {tuple(cu_seqlens_q.shape)}"
         )
     num_seqs = cu_seqlens_q.numel() - 1
-    _check_common(q, k_cache, v_cache, block_tables, seq_lens_k, "seq_lens_k", num_seqs)
+    _check_common(q, k_cache, v_cache, block_tables, seq_lens_k, "seq_lens_k", num_seqs, max_seqlen_k)
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    if int(cu_seqlens_q[-1]) != q.shape[0] or bool((q_lens < 0).any()):
-        raise ValueError(f"cu_seqlens_q must rise from 0 to the number of query rows ({q.shape[0]})")
-    if bool((q_lens.to(seq_lens_k.device) > seq_lens_k).any()):
-        raise ValueError("seq_lens_k must be >= each sequence's number of new tokens (cu_seqlens_q)")
+    if max_seqlen_k is None:
+        if int(cu_seqlens_q[-1]) != q.shape[0] or bool((q_lens < 0).any()):
+            raise ValueError(f"cu_seqlens_q must rise from 0 to the number of query rows ({q.shape[0]})")
+        if bool((q_lens.to(seq_lens_k.device) > seq_lens_k).any()):
+            raise ValueError("seq_lens_k must be >= each sequence's number of new tokens (cu_seqlens_q)")
     q = _packed_heads(q)
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape

@@ -9,9 +9,12 @@ machine) the same tests run them on CUDA tensors (``triton_setup.KERNEL_DEVICE``
 CPU references.
 """
 
+import contextlib
+
 import pytest
 import torch
 
+from attention_backends import paged_attention
 from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen
 from paged_attention_triton import paged_attention_decode_triton, paged_attention_varlen_triton
 from test_paged_attention import TOL, assert_each_sequence_matches_dense, build_paged, decode_batch
@@ -125,3 +128,62 @@ def test_triton_bad_arguments_raise_value_error_naming_them():
         paged_attention_varlen_triton(torch.zeros(3, 2, 8), k_cache, k_cache, _cu([3]), torch.tensor([2]), bt, 1.0)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         paged_attention_varlen_triton(torch.zeros(3, 2, 8), k_cache, k_cache, _cu([2]), torch.tensor([2]), bt, 1.0)
+
+
+@contextlib.contextmanager
+def _no_reads_back_to_the_host(monkeypatch):
+    """Fail on any read of a tensor's values into Python: on a GPU, a sync that stalls the CPU
+    until every queued kernel has run. CUDA has a detector for it; on the CPU nothing syncs, so
+    the Python conversions every such read goes through (``int(t)``, ``bool(t)``, ``t.item()``,
+    ``t.tolist()``) raise instead.
+    """
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("a synchronizing read of a tensor's value back to the host")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__int__", "__bool__", "__float__", "__index__"):
+            m.setattr(torch.Tensor, name, refuse)
+        if KERNEL_DEVICE == "cuda":
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            if KERNEL_DEVICE == "cuda":
+                torch.cuda.set_sync_debug_mode(previous)
+
+
+def test_decode_step_reads_nothing_back_given_the_host_side_lengths(monkeypatch):
+    # The engine's decode step calls the decode kernel in every layer: given max_seqlen_k, which the
+    # batch builder knows as a Python int, neither the wrapper nor the dispatcher reads a length
+    # back; the varlen wrapper neither, given max_seqlen_q too.
+    kv_lens, hq, hkv, d, bs = [5, 12, 9], 4, 2, 16, 4
+    k_cache, v_cache, bt, _, _ = build_paged(kv_lens, hkv, d, bs, torch.float32, seed=21)
+    g = torch.Generator().manual_seed(22)
+    q, q_var = torch.randn(3, hq, d, generator=g), torch.randn(9, hq, d, generator=g)
+    lens, cu = torch.tensor(kv_lens, dtype=torch.int32), _cu([4, 1, 4])
+    ref_dec = paged_attention_decode(q, k_cache, v_cache, bt, lens, 0.3)
+    ref_var = paged_attention_varlen(q_var, k_cache, v_cache, cu, lens, bt, 0.3)
+    q, q_var, k_cache, v_cache, bt, lens, cu = (t.to(KERNEL_DEVICE) for t in (q, q_var, k_cache, v_cache, bt, lens, cu))
+    cu_dec = _cu([1, 1, 1]).to(KERNEL_DEVICE)
+    with _no_reads_back_to_the_host(monkeypatch):
+        dec = paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, 0.3, max_seqlen_k=12)
+        engine_dec = paged_attention(
+            q, k_cache, v_cache, cu_dec, lens, bt, 0.3, max_seqlen_q=1, backend="triton", max_seqlen_k=12
+        )
+        var = paged_attention_varlen_triton(q_var, k_cache, v_cache, cu, lens, bt, 0.3, max_seqlen_q=4, max_seqlen_k=12)
+    torch.testing.assert_close(dec.cpu(), ref_dec)
+    torch.testing.assert_close(engine_dec.cpu(), ref_dec)
+    torch.testing.assert_close(var.cpu(), ref_var)
+    # The detector detects: without the bound the wrapper checks the lengths themselves.
+    with pytest.raises(RuntimeError, match="synchronizing"), _no_reads_back_to_the_host(monkeypatch):
+        paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, 0.3)
+
+
+def test_host_side_bound_is_checked_against_the_block_table():
+    k_cache = torch.zeros(4, 4, 2, 8)
+    bt = torch.zeros(1, 2, dtype=torch.int32)
+    one = torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_seqlen_k 9"):
+        paged_attention_decode_triton(torch.zeros(1, 2, 8), k_cache, k_cache, bt, one, 1.0, max_seqlen_k=9)
