@@ -227,7 +227,9 @@ def chapter_sizes_markdown() -> str:
     """Words of prose and lines of code per chapter, and the reading time they suggest.
 
     Reading time: prose at 200 words a minute, modules at 20 lines a minute (code is read
-    twice: once for the idea, once for the edge cases), tests at 60 lines a minute.
+    twice: once for the idea, once for the edge cases), tests at 60 lines a minute. Words are
+    rounded to hundreds and lines to fifties, and the time is computed from the rounded sizes: the
+    committed table (docs/reading-path.md) then changes when a chapter grows, not at every edit.
     """
     rows = [
         "| chapter | README words | module lines | test lines | reading time |",
@@ -235,15 +237,19 @@ def chapter_sizes_markdown() -> str:
     ]
     for chapter in chapters():
         d = ROOT / chapter
-        words = len((d / "README.md").read_text(encoding="utf-8").split())
+        words = _round_to(len((d / "README.md").read_text(encoding="utf-8").split()), 100)
         py = [p for p in d.rglob("*.py") if "__pycache__" not in p.parts]
-        tests = sum(_code_lines(p) for p in py if p.name.startswith("test_"))
-        code = sum(_code_lines(p) for p in py if not p.name.startswith("test_"))
+        tests = _round_to(sum(_code_lines(p) for p in py if p.name.startswith("test_")), 50)
+        code = _round_to(sum(_code_lines(p) for p in py if not p.name.startswith("test_")), 50)
         minutes = words / 200 + code / 20 + tests / 60
         rows.append(
             f"| [{chapter}](../{chapter}/README.md) | {words:,} | {code:,} | {tests:,} | {_duration(minutes)} |"
         )
     return "\n".join(rows) + "\n"
+
+
+def _round_to(n: int, step: int) -> int:
+    return max(step, round(n / step) * step)
 
 
 def _code_lines(path: Path) -> int:
