@@ -46,7 +46,12 @@ def test_cached_logits_equal_a_fresh_forward(tiny_llama_dir):
     assert torch.allclose(
         lm.get_logits(ids[:7] + [1], 1), lm.model(torch.tensor([ids[:7] + [1]])).logits[0, -1:].float(), atol=1e-4
     )
-    assert lm.num_tokens_computed == 6 + 3 + 1
+    # Every token is already cached (a shorter context than the last call): the position whose
+    # logits are wanted is still run through the model, never read from nowhere.
+    assert torch.allclose(lm.get_logits(ids[:5], 1), fresh[4:5], atol=1e-4), (
+        "ids[:5] is a prefix of the cached ids: reuse at most len - num_logits of them"
+    )
+    assert lm.num_tokens_computed == 6 + 3 + 1 + 1
     with pytest.raises(ValueError, match="num_logits"):
         lm.get_logits(ids[:2], 3)
 

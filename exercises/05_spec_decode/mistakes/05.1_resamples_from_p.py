@@ -1,0 +1,34 @@
+import torch
+
+from spec_decode import PLACEHOLDER_TOKEN_ID, sample_rejection_noise, validate_rejection_inputs
+
+
+def rejection_sample(draft_token_ids, draft_probs, target_probs, generator=None, *, noise=None):
+    """Resamples a rejected position from p, not from max(p - q, 0): tokens the draft favours come out too often."""
+    num_draft, draft_probs = validate_rejection_inputs(draft_token_ids, draft_probs, target_probs)
+    B, K = draft_token_ids.shape
+    V = target_probs.shape[2]
+    p_all = target_probs.float()
+    q_all = draft_probs.float()
+    if noise is None:
+        noise = sample_rejection_noise(B, K, V, target_probs.device, generator)
+
+    ids = draft_token_ids.clamp(min=0).unsqueeze(-1)
+    p = p_all[:, :K].gather(-1, ids).squeeze(-1)
+    q = q_all.gather(-1, ids).squeeze(-1)
+    live = draft_token_ids >= 0
+    accepted = live & (noise.uniform * q < p)
+    # Only the prefix before the first rejection counts.
+    num_accepted = accepted.long().cumprod(1).sum(1)
+
+    rows = torch.arange(B, device=target_probs.device)
+    p_last = p_all[rows, num_accepted]
+    weights = p_last
+    last_token = (weights / noise.exponential).argmax(-1)
+
+    out = torch.full((B, K + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=target_probs.device)
+    positions = torch.arange(K + 1, device=target_probs.device).unsqueeze(0)
+    keep = positions < num_accepted.unsqueeze(1)
+    out[:, :K] = torch.where(keep[:, :K], draft_token_ids, out[:, :K])
+    out[rows, num_accepted] = last_token
+    return out
