@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = "docs/sources.md"
 # Chapters whose text is being rewritten; each leaves this list when its rewrite lands.
-EXCLUDED_UNTIL_REWRITTEN: tuple[str, ...] = ("07_engine/",)
+EXCLUDED_UNTIL_REWRITTEN: tuple[str, ...] = ()
 
 SEED_RE = re.compile(r"\bseeds? 00[0-4]\b", re.I)
 SEED_SPLIT_RE = re.compile(r"\bseeds?[ \t]*\n[ \t>]*00[0-4]\b", re.I)  # a name broken over two lines
