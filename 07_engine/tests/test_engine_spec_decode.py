@@ -79,6 +79,20 @@ def test_sampled_spec_decoding_runs_and_frees_blocks(tiny_llama_dir):
     assert_no_leak(llm)
 
 
+def test_a_seeded_requests_rejection_noise_is_its_own_whatever_the_batch(tiny_llama_dir):
+    """Its uniforms are sized by its own drafts, not the batch's padded K, so its generator
+    advances alike in any batch: the next step's noise matches too."""
+    runner = ModelRunner(
+        EngineConfig(tiny_llama_dir, device="cpu", kvcache_block_size=4, num_kvcache_blocks=8, dtype="float32")
+    )
+    alone_gen, batched_gen = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for _ in range(2):
+        alone = runner.rejection_noise([2], 2, 64, [alone_gen])
+        batched = runner.rejection_noise([4, 2, 0], 4, 64, [None, batched_gen, None])
+        assert torch.equal(alone.uniform[0, :2], batched.uniform[1, :2])
+        assert torch.equal(alone.exponential[0], batched.exponential[1])
+
+
 def test_seeded_spec_decoding_ignores_the_rest_of_the_batch(tiny_llama_dir):
     """A seeded request draws its acceptance uniforms and its exponential row from its own
     generator, sized by its own drafts, not by the batch's longest."""
