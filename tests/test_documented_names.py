@@ -65,6 +65,13 @@ CHECKED: dict[str, list[str] | None] = {
     "05_spec_decode/README.md": ["The code"],
     "06_chunked_prefill/README.md": ["The code"],
     "07_engine/README.md": ["From `LLM.generate` down", "The parts this chapter adds"],
+    "07_engine/topics/serving.md": ["The code"],
+    "07_engine/topics/kv_pool.md": ["How a prompt's blocks travel"],
+    "07_engine/topics/tensor_parallel.md": [
+        "How the weight loaders shard each layer",
+        "Starting, calling, stopping (`distributed.py`)",
+    ],
+    "07_engine/topics/cuda_graphs.md": None,
 }
 
 # CamelCase names and snake_case calls of other projects that the checked text mentions.
