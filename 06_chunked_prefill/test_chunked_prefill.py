@@ -72,6 +72,12 @@ def test_decodes_go_first_even_behind_a_prefill_in_the_running_list():
     assert [r.request_id for r in s.running] == ["long", "d"]
     s.long_prefill_token_threshold = None  # now long alone could take the whole budget
     assert scheduled(step(s)) == [("d", 1), ("long", 5)]
+    # The order is a view for phase 1 only: self.running keeps admission order (FCFS preempts its
+    # end), and preemption edits it while phase 1 walks the order, so the order is a new list.
+    order = s._running_order()
+    assert [r.request_id for r in s.running] == ["long", "d"] and order is not s.running, (
+        "_running_order must return a new list and leave self.running in admission order"
+    )
 
 
 def test_chunked_scheduler_keeps_chapter_04_behaviour_when_everything_fits():
