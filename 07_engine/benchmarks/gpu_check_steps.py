@@ -309,7 +309,7 @@ def decode(model_dir: Path, out: Path, dry_run: bool) -> None:
         runner.compute_logits(batch)
         if cuda:
             torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=30)
+    table = prof.key_averages().table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=30)
     (out / "profile_decode.txt").write_text(
         f"one eager decode step, batch {max(batch_sizes)}, context {context}\n{table}\n"
     )

@@ -57,7 +57,15 @@ def test_the_dry_run_passes_every_step_with_the_kits_path_alone(tmp_path):
     versions = json.loads((out / "versions.json").read_text())
     # The engine came from this tree through the kit's PYTHONPATH, not from an install.
     assert Path(versions["vllm_from_scratch"]).is_relative_to(REPO / "07_engine")
-    for name in ("kernels.json", "parity.json", "decode.json", "profile_decode.txt", "pytest_cuda.xml", "summary.md"):
+    for name in (
+        "kernels.json",
+        "parity.json",
+        "decode.json",
+        "profile_decode.txt",
+        "pytest_cuda.xml",
+        "bench.json",
+        "summary.md",
+    ):
         assert (out / name).exists(), name
 
 
