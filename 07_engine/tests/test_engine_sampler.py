@@ -30,10 +30,15 @@ def test_top_k_one_is_greedy_and_top_p_keeps_at_least_one():
 
 def test_top_k_top_p_masks_match_a_per_row_reference():
     logits = _logits(5, 2)
-    top_ks = torch.tensor([2, V, 5, 1, 3])
-    top_ps = torch.tensor([1.0, 0.5, 0.8, 1.0, 0.3])
+    top_ks = torch.tensor([2, V, 5, 1, 3, 3, 3])
+    top_ps = torch.tensor([1.0, 0.5, 0.8, 1.0, 0.3, 0.5, 0.0])
+    # Two nearly flat rows: top-p's mass is over what top-k left, renormalized (the first three
+    # hold ~1/3 each, so 0.5 keeps two, where the whole vocabulary's mass would keep three), and
+    # even top_p = 0 keeps the most likely token.
+    flat = torch.tensor([[4.0, 3.9, 3.8, 3.7, 3.6, 3.5, 3.4, 3.3]])
+    logits = torch.cat([logits, flat, flat])
     masked = apply_top_k_top_p(logits, top_ks, top_ps)
-    for row in range(5):
+    for row in range(len(logits)):
         order = logits[row].argsort(descending=True)
         keep = set(order[: top_ks[row]].tolist())
         probs = logits[row, order[: top_ks[row]]].softmax(-1)
@@ -43,8 +48,24 @@ def test_top_k_top_p_masks_match_a_per_row_reference():
                 break
             kept_p.add(tok)
             cum += p
-        expected = keep & kept_p
-        assert {i for i in range(V) if masked[row, i] > float("-inf")} == expected, row
+        expected = (keep & kept_p) or {int(order[0])}
+        kept = {i for i in range(V) if masked[row, i] > float("-inf")}
+        assert kept == expected, (
+            f"row {row} (top_k={int(top_ks[row])}, top_p={float(top_ps[row])}): kept {sorted(kept)}, expected "
+            f"{sorted(expected)}; top-p counts the mass of what top-k left, renormalized, and never drops the top token"
+        )
+
+
+def test_sample_from_probs_draws_from_each_row():
+    torch.manual_seed(0)
+    n = 20_000
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0] + [0.0] * (V - 4)]).expand(n, V)
+    freq = torch.bincount(Sampler.sample_from_probs(probs), minlength=V).float() / n
+    # 4 standard deviations of a binomial proportion at n = 20k: about 0.014 at most.
+    assert (freq - probs[0]).abs().max() < 0.015, (
+        f"token frequencies {freq[:4].tolist()} over {n} draws from {probs[0, :4].tolist()}: a sample is a "
+        "random draw from the row's distribution, not its most likely token"
+    )
 
 
 def test_sampled_frequencies_follow_the_tempered_distribution():

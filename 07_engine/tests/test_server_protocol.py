@@ -24,6 +24,7 @@ from vllm_from_scratch.api_server import build_app, default_max_request_bytes
 from vllm_from_scratch.async_llm import AsyncLLM
 from vllm_from_scratch.default_model import default_model_dir
 from vllm_from_scratch.engine import RequestOutput, encode_prompt, resolve_max_tokens
+from vllm_from_scratch.openai_protocol import APIError, CompletionRequest
 from vllm_from_scratch.sampling_params import check_int
 from vllm_from_scratch.streaming import stream_events
 
@@ -236,6 +237,16 @@ def test_bad_completion_requests_get_openai_errors(client, payload, status, para
     assert_error(client.post("/v1/completions", json=payload), status, param)
     ok = client.post("/v1/completions", json={"prompt": [10], "max_tokens": 1})
     assert ok.status_code == 200, "the server keeps serving after a bad request"
+
+
+def test_completion_checks_include_the_shared_sampling_checks():
+    for field, value in [("n", 2), ("frequency_penalty", 0.5), ("logit_bias", {"5": 1.0})]:
+        with pytest.raises(APIError) as refused:
+            CompletionRequest(prompt="hi", **{field: value}).check_supported()
+        assert refused.value.param == field, (
+            f"a completion request with {field}={value!r} must be refused by the shared sampling checks "
+            "(_SamplingFields.check_supported(self)) before the completion fields"
+        )
 
 
 def test_error_codes_follow_openai(client):

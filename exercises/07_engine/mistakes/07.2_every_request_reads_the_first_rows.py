@@ -1,0 +1,22 @@
+import torch
+
+from vllm_from_scratch.model_runner import Sampler, num_accepted_tokens, pad_draft_token_ids
+
+
+def verify_drafts(self, logits, sampling, info):
+    """Reads every request's target rows from row 0, not from its own offset in the flat logits."""
+    drafts = [
+        info.merge_prompt[idx + last - k + 1 : idx + last + 1]
+        for idx, last, k in zip(info.chunk_idx, info.last_pos, info.num_spec)
+        if last >= 0
+    ]
+    num_spec = torch.tensor([len(d) for d in drafts], device=logits.device)
+    K = int(num_spec.max())
+    probs = Sampler.compute_probs(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps)
+    rows = torch.minimum(torch.arange(K + 1, device=logits.device).unsqueeze(0), num_spec.unsqueeze(1))
+    target = probs[rows]  # [B, K + 1, V]
+    draft_ids = pad_draft_token_ids(drafts, K, device=logits.device)
+    noise = self.rejection_noise([len(d) for d in drafts], K, target.shape[-1], sampling.request_generators)
+    out = self.rejection_sampler(draft_ids, None, target, noise=noise)
+    accepted = num_accepted_tokens(out).tolist()
+    return {rid: row[: n + 1] for rid, row, n in zip(sampling.request_ids, out.tolist(), accepted)}
