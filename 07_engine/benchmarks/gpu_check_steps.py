@@ -331,7 +331,15 @@ def decode(model_dir: Path, out: Path, dry_run: bool) -> None:
     write_json(out / "decode.json", {**report, "steps": rows, "memory": memory})
     times = ", ".join(f"B={r['batch']} {r['graphs_ms'] or r['eager_ms']:.3f} ms" for r in rows)
     floors = ", ".join(f"{r['floor_ms']:.3f}" for r in rows if r["floor_ms"]) or "unknown card"
-    print(f"result: decode {times}; floor {floors}")
+    mem = ""
+    if cuda:
+        mib, gib, profiled = 2**20, 2**30, runner.memory_profile
+        mem = (
+            f"; KV {memory['kv_cache_bytes'] / gib:.1f} GiB of a {profiled['kv_budget'] / gib:.1f} GiB budget, "
+            f"step peak {memory['step_peak_above_rest'] / mib:.0f} MiB, "
+            f"profiled {profiled['activation_peak'] / mib:.0f} MiB"
+        )
+    print(f"result: decode {times}; floor {floors}{mem}")
 
 
 def main(argv: list[str] | None = None) -> None:
