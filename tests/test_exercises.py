@@ -8,10 +8,14 @@ key made from the reference passes them all through the student path.
 """
 
 import ast
+import importlib
 import importlib.util
 import inspect
 import re
 import sys
+import textwrap
+import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -149,3 +153,140 @@ def test_answer_key_passes_through_the_student_path(tmp_path):
             bad.append(f"exercise {s.id}: none of its tests ran")
         bad += [f"{r.nodeid}: {r.outcome}\n{r.message[-800:]}" for r in s.tests if r.outcome != "passed"]
     assert not bad, "\n".join(bad)
+
+
+# ---------------------------------------------------------------- hints and docstrings tell the truth
+def _hint(ex) -> str:
+    return make_stubs.registry_extras(EXERCISES / ex.chapter)[0].get(ex.id, "")
+
+
+def _instance_attributes(cls) -> set[str]:
+    """Attributes an instance of ``cls`` gets: class attributes, dataclass fields and annotations,
+    and every ``self.NAME`` assigned in the source of ``cls`` and its bases."""
+    names = set(dir(cls))
+    for klass in inspect.getmro(cls):
+        names |= set(getattr(klass, "__annotations__", {}))
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        tree = ast.parse(textwrap.dedent(source))
+        names |= {
+            n.attr
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and ast.unparse(n.value) == "self"
+        }
+    return names
+
+
+def _attribute_type(cls, name: str):
+    """The class an instance attribute ``name`` of ``cls`` holds, if an annotation says so."""
+    for klass in inspect.getmro(cls):
+        for fn in (klass, getattr(klass, "__init__", None)):
+            try:
+                hints = typing.get_type_hints(fn)
+            except Exception:  # an annotation that names what this module cannot import
+                continue
+            if name in hints:
+                return hints[name]
+    return None
+
+
+def _classes(tp) -> list[type]:
+    """The classes a type annotation allows (a union's members; Optional's non-None one)."""
+    args = typing.get_args(tp)
+    if args and (typing.get_origin(tp) in (typing.Union, types.UnionType)):
+        return [c for a in args for c in _classes(a)]
+    return [tp] if inspect.isclass(tp) and tp is not type(None) else []
+
+
+def _resolves(root, path: list[str], on_class: bool) -> bool:
+    """Does ``root.path[0].path[1]...`` exist? ``on_class``: ``root`` is a class whose instances
+    are meant (instance attributes count). An attribute whose type is unknown ends the walk."""
+    for i, part in enumerate(path):
+        if on_class and inspect.isclass(root):
+            if part not in _instance_attributes(root):
+                return False
+            if hasattr(root, part) and not isinstance(inspect.getattr_static(root, part), property):
+                root, on_class = getattr(root, part), False
+                continue
+            kinds = _classes(_attribute_type(root, part))
+            rest = path[i + 1 :]
+            return not kinds or not rest or any(_resolves(k, rest, True) for k in kinds)
+        if not hasattr(root, part):
+            return False
+        root = getattr(root, part)
+    return True
+
+
+DOTTED = re.compile(r"\b([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*)+)")
+BACKTICKED = re.compile(r"`+(?::\w+:`)?([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*)+)(?:\(\))?`+")
+
+
+def _unresolved(ex, text: str, pattern: re.Pattern) -> list[str]:
+    """Dotted names in ``text`` that do not exist: ``self.x`` on the target's class, ``seq.x`` on
+    the type of the target's parameter ``seq``, ``Name.x`` in the stub file's or reference
+    module's namespace or a module of that name."""
+    owner, _ = ep.resolve_target(ex)
+    ref = ep.reference_function(ex)
+    params = typing.get_type_hints(ref) if ref.__annotations__ else {}
+    namespace = {**vars(sys.modules[ref.__module__]), **vars(inspect.getmodule(ep.load_stub(ex)))}
+    bad = []
+    for root, rest in pattern.findall(text):
+        path = rest.lstrip(".").split(".")
+        if root == "self" and inspect.isclass(owner):
+            ok = _resolves(owner, path, True)
+        elif root in params:
+            ok = any(_resolves(k, path, True) for k in _classes(params[root])) or not _classes(params[root])
+        elif root in namespace:
+            ok = _resolves(namespace[root], path, False)
+        elif importlib.util.find_spec(root) is not None:  # a book module named in full
+            ok = _resolves(importlib.import_module(root), path, False)
+        else:
+            ok = False
+        if not ok:
+            bad.append(f"{root}{rest}")
+    return bad
+
+
+@pytest.mark.parametrize("ex", ALL, ids=lambda ex: ex.id)
+def test_every_name_a_hint_or_docstring_gives_exists(ex):
+    bad = _unresolved(ex, _hint(ex), DOTTED)
+    bad += _unresolved(ex, inspect.getdoc(ep.reference_function(ex)) or "", BACKTICKED)
+    assert not bad, f"exercise {ex.id}: its hint or docstring names what does not exist: {bad}"
+
+
+def _expected_errors(ex) -> set[str]:
+    """ValueError/TypeError that ``ex``'s tests expect from a call of the exercise's function."""
+    name = ex.qualname.split(".")[-1]
+    found = set()
+    for nodeid in ex.tests:
+        path, *names = nodeid.split("::")
+        scope = ast.parse((ROOT / path).read_text()).body
+        for n in [n.split("[")[0] for n in names]:
+            scope = next(s for s in scope if isinstance(s, (ast.FunctionDef, ast.ClassDef)) and s.name == n).body
+        for with_node in (w for s in scope for w in ast.walk(s) if isinstance(w, ast.With)):
+            for item in with_node.items:
+                call = item.context_expr
+                if not (isinstance(call, ast.Call) and ast.unparse(call.func) == "pytest.raises" and call.args):
+                    continue
+                error = ast.unparse(call.args[0])
+                calls = {
+                    ast.unparse(c.func).split(".")[-1]
+                    for b in with_node.body
+                    for c in ast.walk(b)
+                    if isinstance(c, ast.Call)
+                }
+                if error in ("ValueError", "TypeError") and name in calls:
+                    found.add(error)
+    return found
+
+
+@pytest.mark.parametrize("ex", ALL, ids=lambda ex: ex.id)
+def test_every_error_the_tests_expect_is_announced(ex):
+    told = _hint(ex) + (inspect.getdoc(ep.reference_function(ex)) or "")
+    missing = sorted(e for e in _expected_errors(ex) if e not in told)
+    assert not missing, (
+        f"exercise {ex.id}: its tests expect {missing} from {ex.qualname}, which neither its hint nor its "
+        "docstring mentions"
+    )

@@ -16,7 +16,7 @@ from sequence import Sequence
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.layers import prepacked
 from vllm_from_scratch.layers.layernorm import RMSNorm
-from vllm_from_scratch.layers.linear import LinearBase, ReplicatedLinear
+from vllm_from_scratch.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
 from vllm_from_scratch.layers.prepacked import FLOAT32_MIN_ROWS, can_pack, linear, pack_weight
 from vllm_from_scratch.layers.rotary_embedding import get_rope
 from vllm_from_scratch.loader import get_model
@@ -194,6 +194,42 @@ def test_registry_and_loader_fuse_qkv_and_gate_up(tiny_qwen3_dir):
     assert torch.equal(qkv[: q.shape[0]], q.bfloat16())
     assert torch.equal(qkv[-v.shape[0] :], v.bfloat16())
     assert torch.equal(model.model.layers[1].mlp.gate_up_proj.weight[up.shape[0] :], up.bfloat16())
+
+
+def _rows(n: int, start: int) -> torch.Tensor:
+    """``n`` rows of width 2 whose values say which checkpoint row they are."""
+    return torch.arange(start, start + n, dtype=torch.float32).unsqueeze(1).expand(n, 2).clone()
+
+
+def test_qkv_loader_takes_this_ranks_heads_of_each_shard():
+    # Rank 1 of 2, GQA: 4 query heads and 2 kv heads of size 2, so this rank holds query heads
+    # 2-3 (checkpoint rows 4..7 of q) and kv head 1 (rows 2..3 of k and of v).
+    layer = QKVParallelLinear(2, 2, 4, 2, tp_rank=1, tp_size=2)
+    q, k, v = _rows(8, 0), _rows(4, 100), _rows(4, 200)
+    for shard, w in (("q", q), ("k", k), ("v", v)):
+        layer.weight_loader(layer.weight, w, shard)
+    expected = torch.cat([q[4:8], k[2:4], v[2:4]])
+    assert torch.equal(layer.weight.data, expected), (
+        f"rank 1's fused weight holds checkpoint rows {layer.weight.data[:, 0].tolist()}, expected "
+        f"{expected[:, 0].tolist()}: [this rank's q heads; its k heads; its v heads], each sized by "
+        "its own head count (fewer kv heads than q heads)"
+    )
+
+
+def test_merged_loader_stacks_this_ranks_gate_and_up():
+    # Rank 1 of 2: the local weight is [gate rows 3..5; up rows 3..5], each part's own slice.
+    layer = MergedColumnParallelLinear(2, [6, 6], tp_rank=1, tp_size=2)
+    gate, up = _rows(6, 0), _rows(6, 100)
+    layer.weight_loader(layer.weight, gate, 0)
+    layer.weight_loader(layer.weight, up, 1)
+    expected = torch.cat([gate[3:6], up[3:6]])
+    assert torch.equal(layer.weight.data, expected), (
+        f"rank 1's fused weight holds checkpoint rows {layer.weight.data[:, 0].tolist()}, expected "
+        f"{expected[:, 0].tolist()}: part i starts at sum(output_sizes[:i]) // tp_size and holds this "
+        "rank's slice of that part"
+    )
+    with pytest.raises(ValueError, match="loaded_shard_id"):
+        layer.weight_loader(layer.weight, gate)
 
 
 def test_unknown_architecture_is_a_value_error():

@@ -22,9 +22,9 @@ def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: Co
     Becomes ``BlockManager.allocate_slots`` (a method: ``self`` is the BlockManager). Call
     parent methods as ``Parent.method(self, ...)``, not ``super()``.
 
-    Hint: Count the blocks to add with self.num_new_blocks_needed; fail (return False, change
-    nothing) when self.can_allocate_slots says no; attach computed_blocks with
-    self._touch_block, new ones with self._allocate_block.
+    Hint: A negative num_new_tokens is a ValueError. Count the blocks to add with
+    self.num_new_blocks_needed; fail (return False, change nothing) when self.can_allocate_slots
+    says no; attach computed_blocks with self._touch_block, new ones with self._allocate_block.
 
     Checked by: pytest 01_paged_kv/ --impl=student --exercise 01.1
     """
@@ -43,7 +43,7 @@ def free(self, seq: Sequence) -> None:
     as ``Parent.method(self, ...)``, not ``super()``.
 
     Hint: Walk the block table backwards and hand each block to self._release_block, which only
-    frees it when its last holder lets go; then clear the table and num_cached_tokens.
+    frees it when its last holder lets go; then clear the table.
 
     Checked by: pytest 01_paged_kv/ --impl=student --exercise 01.2
     """
@@ -56,8 +56,9 @@ def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
     Becomes ``BlockManager.slot_mapping`` (a method: ``self`` is the BlockManager). Call parent
     methods as ``Parent.method(self, ...)``, not ``super()``.
 
-    Hint: slot = block_table[p // block_size] * block_size + p % block_size; refuse positions
-    past the table.
+    Hint: slot = block_table[p // block_size] * block_size + p % block_size: the blocks of a
+    sequence are wherever its table says, never block_table[0] + i. Positions past the table are
+    a ValueError.
 
     Checked by: pytest 01_paged_kv/ --impl=student --exercise 01.3
     """

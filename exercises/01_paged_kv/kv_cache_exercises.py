@@ -29,7 +29,7 @@ def build_slot_mapping(
         ``[num_tokens]`` int64 slots ``block_tables[s, p // block_size] * block_size + p % block_size``.
 
     Hint: Gather block_tables[seq_ids, positions // block_size] with advanced indexing; negative
-    positions (padding) become slot -1.
+    positions (padding) become slot -1; a position past its row's table is a ValueError.
 
     Checked by: pytest 01_paged_kv/ --impl=student --exercise 01.4
     """

@@ -53,11 +53,11 @@ def paged_attention_decode(
     Returns:
         ``[B, Hq, D]`` in ``q``'s dtype.
 
-    Hint: Validate first (_check_paged_args, a context length >= 1, _check_capacity): a one-row
-    block table would otherwise broadcast over the batch. Then gather_kv for K and V, mask
-    positions at or past each context length, and let scaled_dot_product_attention do the
-    softmax (enable_gqa=True, or fold each kv head's G query heads into the query axis:
-    q.view(B, Hkv, G, D)); or write the softmax yourself.
+    Hint: Validate first, raising ValueError (_check_paged_args, one context length per query
+    and each >= 1, _check_capacity): a one-row block table would otherwise broadcast over the
+    batch. Then gather_kv for K and V, mask positions at or past each context length, and let
+    scaled_dot_product_attention do the softmax (enable_gqa=True, or fold each kv head's G query
+    heads into the query axis: q.view(B, Hkv, G, D)); or write the softmax yourself.
 
     Checked by: pytest 02_page_attention/ --impl=student --exercise 02.2
     """
@@ -95,7 +95,8 @@ def paged_attention_varlen(
 
     Hint: Sequence b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and sit at the last
     positions of its seq_lens_k[b] keys: a causal mask offsets by kv_len - q_len. Single-token
-    rows can go through paged_attention_decode in one batch.
+    rows can go through paged_attention_decode in one batch. Offsets that do not rise from 0 to
+    the number of query rows, or a sequence with more new tokens than keys, are a ValueError.
 
     Checked by: pytest 02_page_attention/ --impl=student --exercise 02.3
     """

@@ -47,10 +47,10 @@ def fetch(
     Becomes ``GlobalKVPool.fetch`` (a method: ``self`` is the GlobalKVPool). Call parent methods
     as ``Parent.method(self, ...)``, not ``super()``.
 
-    Hint: One backend.get_many for every key; walk the values in chain order, deserialize each
-    (a missing or corrupt block ends the load: self._fault says why), copy it into kv_cache[:,
-    :, block_id], and return how many blocks were loaded. A store that fails is a fault, never a
-    crash.
+    Hint: One self.backend.get_many for every key; walk the values in chain order, deserialize
+    each (a missing or corrupt block ends the load: self._fault says why), copy it into
+    kv_cache[:, :, block_id], and return how many blocks were loaded. A store that fails is a
+    fault, never a crash.
 
     Checked by: pytest 03_prefix_cache/ --impl=student --exercise 03.4b
     """

@@ -43,8 +43,8 @@ def cache_full_blocks(self, seq: Sequence) -> None:
     ``super()``.
 
     Hint: Only blocks below num_computed_tokens // block_size are full and computed; start after
-    the ones this sequence already registered (self._state(seq).num_registered); skip a hash
-    another block already holds.
+    the ones this sequence already registered (seq.num_registered_blocks, which you then
+    advance); skip a hash another block already holds.
 
     Checked by: pytest 03_prefix_cache/ --impl=student --exercise 03.3a
     """

@@ -47,9 +47,12 @@ def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> tuple[list[Req
     Becomes ``Scheduler._schedule_waiting`` (a method: ``self`` is the Scheduler). Call parent
     methods as ``Parent.method(self, ...)``, not ``super()``.
 
-    Hint: Loop while there are waiting requests, budget, and room under max_num_seqs;
-    self._admit the head (0 means it does not fit: stop, nothing overtakes it), move it to
-    running, self._record it, spend its tokens. Return (scheduled, budget).
+    Hint: Loop while there are waiting requests, budget, and room under max_num_seqs (requests
+    in self.running and self.loading both count). First ask self._start_remote_load(req) of the
+    head: None means wait a step (stop), True means it was parked to load from the global pool
+    (go on to the next). Otherwise self._admit it (0 means it does not fit: stop, nothing
+    overtakes it), pop it from self.waiting, mark it RUNNING, move it to running, self._record
+    it, spend its tokens. Return (scheduled, budget).
 
     Checked by: pytest 04_scheduler/ --impl=student --exercise 04.3
     """

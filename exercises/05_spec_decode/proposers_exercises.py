@@ -22,6 +22,7 @@ def propose_one(self, token_ids: Sequence[int], k: int) -> list[int]:
 
     Hint: For n from max_n down to min_n, look for the last n tokens earlier in the context; the
     longest n wins, and of its matches the most recent; propose up to k tokens that followed it.
+    A negative k is a ValueError.
 
     Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.4
     """
@@ -39,7 +40,8 @@ def get_logits(self, token_ids: Sequence[int], num_logits: int = 1, slot: Hashab
     Hint: Under torch.inference_mode(): find how much of the slot's cached ids is a prefix of
     token_ids (at most len - num_logits, so the wanted logits are computed), crop the cache to
     it, run the model on the rest with use_cache=True and logits_to_keep=num_logits, remember
-    the new cache and ids, count the forward and the tokens computed.
+    the new cache and ids, count the forward and the tokens computed. num_logits outside [1,
+    len(token_ids)] is a ValueError.
 
     Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.5
     """

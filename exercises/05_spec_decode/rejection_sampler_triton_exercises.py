@@ -30,7 +30,8 @@ def rejection_sample_triton(
     Hint: Write the kernel (_rejection_sample_kernel: one program per request, walk its drafts,
     accept or stop, then a chunked running argmax of weights / exponential noise over the
     vocabulary in blocks of block_v) and this launcher. Use the same RejectionNoise as
-    rejection_sample, so both agree exactly.
+    rejection_sample, so both agree exactly. A block_v that is not a power of two is a
+    ValueError.
 
     Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.3
     """

@@ -65,7 +65,8 @@ def rejection_sampling_batched(
 
     Hint: Request r owns flat positions cu_num_logits[r]:cu_num_logits[r+1]; the draft that
     position i verifies is draft_tokens[i + 1]; keep target tokens up to and including the first
-    mismatch. Vectorise with a [num_reqs, k + 1] index grid.
+    mismatch. Vectorise with a [num_reqs, k + 1] index grid. Offsets that give a request no
+    position or more than k + 1, or do not end at len(target_sampled), are a ValueError.
 
     Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.7
     """

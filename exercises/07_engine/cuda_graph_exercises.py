@@ -16,8 +16,8 @@ def capture_batch_sizes(max_num_seqs: int) -> list[int]:
     """The decode batch sizes to capture: 1, 2, 4, 8, 16, 32, ... up to ``min(max_num_seqs, 512)``,
     always including that maximum itself.
 
-    Hint: nano-vllm's: 1, 2, 4, 8, then every 16 up to min(max_num_seqs, 512); refuse
-    max_num_seqs < 1.
+    Hint: nano-vllm's: 1, 2, 4, 8, then every 16 below min(max_num_seqs, 512), and that maximum
+    itself; a max_num_seqs that is not an int >= 1 is a ValueError.
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.T2a
     """
