@@ -290,3 +290,50 @@ def test_every_error_the_tests_expect_is_announced(ex):
         f"exercise {ex.id}: its tests expect {missing} from {ex.qualname}, which neither its hint nor its "
         "docstring mentions"
     )
+
+
+def _siblings_called(ex) -> list:
+    """The exercises of ``ex``'s stub file whose function its reference calls by bare name (02.2's
+    paged_attention_decode calls gather_kv): in a student's stub file that name is their stub."""
+    source, _ = make_stubs.solution_source(ex)
+    names = {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+    return [
+        s
+        for s in ALL
+        if s is not ex and (s.chapter, s.stub_file) == (ex.chapter, ex.stub_file) and s.stub_name in names
+    ]
+
+
+@pytest.mark.slow
+def test_an_answer_passes_while_the_exercises_it_calls_are_unfinished(tmp_path):
+    """exercises/README.md promises that an unfinished exercise never fails another's tests: an
+    answer that calls a sibling exercise's function passes beside that sibling's untouched stub."""
+    callers = [ex for ex in ALL if _siblings_called(ex)]
+    assert {"02.2", "07.7"} <= {ex.id for ex in callers}
+    key = make_stubs.expected_files(solutions=True, chapters=sorted({ex.chapter for ex in callers}))
+    # One pytest run per round; a round answers at most one exercise per stub file.
+    rounds: list[list] = []
+    for ex in callers:
+        free = [r for r in rounds if all((o.chapter, o.stub_file) != (ex.chapter, ex.stub_file) for o in r)]
+        if free:
+            free[0].append(ex)
+        else:
+            rounds.append([ex])
+    bad = []
+    for r, batch in enumerate(rounds):
+        files = dict(key)
+        for ex in batch:
+            rel = Path(ex.chapter) / ex.stub_file
+            hints = make_stubs.registry_extras(EXERCISES / ex.chapter)[0]
+            stubs = [make_stubs.stub_source(s, hints.get(s.id, "")) for s in _siblings_called(ex)]
+            files[rel] = files[rel] + "\n\n" + "\n\n".join(stubs)
+        for rel, text in files.items():
+            (tmp_path / f"round{r}" / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / f"round{r}" / rel).write_text(text)
+        by_id = {ex.id: ex for ex in batch}
+        for s in grade.grade("student", exercises_dir=tmp_path / f"round{r}", ids=list(by_id)):
+            if s.total == 0 or s.passed < s.total:
+                unfinished = [x.id for x in _siblings_called(by_id[s.id])]
+                failed = [f"{t.nodeid}: {t.message[-300:]}" for t in s.tests if t.outcome != "passed"]
+                bad.append(f"{s.id} fails beside the unfinished {unfinished}: {failed}")
+    assert not bad, "\n".join(bad)
