@@ -16,7 +16,8 @@ the stubs, never the tests. With ``--impl=student`` (or ``VLLM_FS_IMPL=student``
 with the student's version of the exercises that list it put in place of the reference: the class
 attribute is swapped, and a module-level function is swapped in every book module that imported
 it (``from store_kvcache import store_kvcache`` binds a name at import time). Only those
-exercises are swapped, so an unfinished exercise never fails another exercise's tests. A test
+exercises are swapped, so an unfinished exercise never fails another exercise's tests; in the
+stub files, a sibling exercise's name then stands for the book's version. A test
 that no exercise lists runs with every exercise of its chapter swapped: the chapter's whole
 student version (the demo test, for example). Everything is put back after each test.
 
