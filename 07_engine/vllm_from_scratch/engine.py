@@ -63,6 +63,8 @@ class RequestOutput:
     everything generated so far. ``finish_reason`` is "stop" (a stop token or string), "length"
     (max_tokens or max_model_len) or "abort", and None while the request runs.
     ``num_cached_tokens`` are prompt tokens that were not computed (prefix-cache hits).
+    ``stop_reason`` says which stop ended a "stop": the stop string or the ``stop_token_ids``
+    entry that matched, or None for EOS (and while running), as vLLM's ``CompletionOutput``.
     """
 
     request_id: str
@@ -74,6 +76,7 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    stop_reason: int | str | None = None
 
 
 class IncrementalDetokenizer:
@@ -395,29 +398,54 @@ class LLMEngine:
         req.detokenizer.update(req.token_ids)
         req.text = req.detokenizer.text
         stop_strings = req.stop_strings
-        hit_stop_string = bool(stop_strings) and self._cut_at_stop_string(req)
-        if hit_stop_string and not req.is_finished:
+        stop_string = self._cut_at_stop_string(req) if stop_strings else None
+        if stop_string is not None and not req.is_finished:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
         if req.is_finished:
-            return self._finish(req, "stop" if hit_stop_string else FINISH_REASONS[req.status], new_ids)
+            if stop_string is not None:
+                return self._finish(req, "stop", new_ids, stop_string)
+            return self._finish(req, FINISH_REASONS[req.status], new_ids, self._stop_token(req))
         # Hold back what could still become a stop string, so streamed text never shows one.
         hold = max((len(s) for s in stop_strings), default=1) - 1
         return self._output(req, new_ids, max(req.num_text_sent, len(req.text) - hold), None)
 
     @staticmethod
-    def _cut_at_stop_string(req: EngineRequest) -> bool:
+    def _cut_at_stop_string(req: EngineRequest) -> str | None:
+        """Cut ``req.text`` at its first stop string found; returns that string (None: none)."""
         for s in req.stop_strings:
             idx = req.text.find(s)
             if idx != -1:
                 req.text = req.text[:idx]
-                return True
-        return False
+                return s
+        return None
 
-    def _finish(self, req: EngineRequest, reason: str, new_ids: list[int]) -> RequestOutput:
+    def _stop_token(self, req: EngineRequest) -> int | None:
+        """The ``stop_token_ids`` entry that stopped ``req``, None for EOS or a length stop.
+
+        The scheduler checks one merged set (EOS and stop tokens), so the last token tells which
+        matched; EOS wins when it is both, as in vLLM, unless ``ignore_eos`` set it aside.
+        """
+        if req.status != RequestStatus.FINISHED_STOPPED or not req.completion_token_ids:
+            return None
+        last = req.completion_token_ids[-1]
+        if last in self.eos_token_ids and not req.sampling_params.ignore_eos:
+            return None
+        return last if last in (req.sampling_params.stop_token_ids or ()) else None
+
+    def _finish(
+        self, req: EngineRequest, reason: str, new_ids: list[int], stop_reason: int | str | None = None
+    ) -> RequestOutput:
         del self.requests[req.request_id]
-        return self._output(req, new_ids, len(req.text), reason)
+        return self._output(req, new_ids, len(req.text), reason, stop_reason)
 
-    def _output(self, req: EngineRequest, new_ids: list[int], text_end: int, reason: str | None) -> RequestOutput:
+    def _output(
+        self,
+        req: EngineRequest,
+        new_ids: list[int],
+        text_end: int,
+        reason: str | None,
+        stop_reason: int | str | None = None,
+    ) -> RequestOutput:
         new_text = req.text[req.num_text_sent : text_end]
         req.num_text_sent = max(req.num_text_sent, text_end)
         return RequestOutput(
@@ -430,6 +458,7 @@ class LLMEngine:
             finish_reason=reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            stop_reason=stop_reason,
         )
 
     # ------------------------------------------------------------------ observation
