@@ -1,4 +1,4 @@
-"""vllm-from-scratch's engine: ``LLM(model_dir).generate(prompts, SamplingParams(...))``.
+"""vllm-from-scratch's engine: ``LLM(model=model_dir).generate(prompts, SamplingParams(...))``.
 
 Built from the book's chapters by import: paged KV cache (01), paged attention (02), prefix
 caching (03), the scheduler (04), speculative decoding (05), chunked prefill (06).
@@ -14,7 +14,8 @@ import importlib
 _EXPORTS = {
     "LLM": "vllm_from_scratch.llm",
     "LLMEngine": "vllm_from_scratch.engine",
-    "RequestOutput": "vllm_from_scratch.engine",
+    "RequestOutput": "vllm_from_scratch.outputs",  # vLLM's result; the engine's step record is engine.RequestOutput
+    "CompletionOutput": "vllm_from_scratch.outputs",
     "SamplingParams": "vllm_from_scratch.sampling_params",
     "default_model_dir": "vllm_from_scratch.default_model",
     "register_model": "vllm_from_scratch.models",

@@ -13,12 +13,13 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm_from_scratch.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from vllm_from_scratch.chat_utils import render_chat
 from vllm_from_scratch.engine import RequestOutput, encode_prompt
 from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, now, random_id, usage
@@ -110,15 +111,9 @@ class OpenAIServing:
             raise api_error(exc, body.field_names) from exc
 
     def render_chat(self, conversation: list[dict[str, str]]) -> list[int]:
-        if self.tokenizer is None:
-            raise APIError("cannot apply the chat template: this checkpoint has no tokenizer", param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - a template error is the messages' fault
-            raise APIError(f"cannot apply the chat template: {exc}", param="messages") from exc
-        # tokenize=False returns the text (transformers types every mode's return at once); the
-        # template already wrote the special tokens (BOS, role markers).
-        return list(self.tokenizer.encode(cast(str, text), add_special_tokens=False))
+        # LLM.chat's rendering too (one source of truth); its ParameterError names "messages",
+        # which prepare() turns into the 400.
+        return render_chat(self.tokenizer, conversation)[1]
 
     async def start(
         self, base_id: str, prompts: list[list[int]], params: SamplingParams, body: OpenAIRequest

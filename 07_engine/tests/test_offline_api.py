@@ -1,0 +1,212 @@
+"""vLLM's offline API on the embedded default model: ``LLM(model=...)``, ``generate`` with vLLM's
+prompt types and ``RequestOutput`` results, ``chat``, ``get_tokenizer``, and the book's dict
+shorthand (``out["text"]``) beside them.
+
+One ``LLM`` serves the whole file (seconds to build); every test leaves its blocks free.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_from_scratch import LLM, CompletionOutput, RequestOutput, SamplingParams, default_model_dir
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = LLM(model=default_model_dir(), dtype="float32", num_kvcache_blocks=64, max_model_len=512, warm_up=False)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def no_leak(llm):
+    yield
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.block_manager.all_blocks_free()
+
+
+def test_vllm_quickstart_runs_verbatim(llm, capsys):
+    # https://docs.vllm.ai/en/latest/getting_started/quickstart.html, with this book's model
+    prompts = [
+        "Hello, my name is",
+        "The president of the United States is",
+        "The capital of France is",
+        "The future of AI is",
+    ]
+    sampling_params = SamplingParams(temperature=0.8, top_p=0.95)
+    outputs = llm.generate(prompts, sampling_params)
+    for output in outputs:
+        prompt = output.prompt
+        generated_text = output.outputs[0].text
+        print(f"Prompt: {prompt!r}, Generated text: {generated_text!r}")
+
+    printed = capsys.readouterr().out
+    assert [o.prompt for o in outputs] == prompts
+    assert all(f"Prompt: {p!r}" in printed for p in prompts)
+    for output in outputs:
+        assert isinstance(output, RequestOutput) and output.finished
+        (completion,) = output.outputs
+        assert isinstance(completion, CompletionOutput) and completion.index == 0
+        assert completion.token_ids and completion.finish_reason in ("stop", "length")
+        assert output.prompt_token_ids == llm.get_tokenizer().encode(output.prompt)
+        assert output.prompt_logprobs is None and completion.logprobs is None and completion.cumulative_logprob is None
+
+
+def test_vllm_chat_example_answers_paris(llm):
+    conversation = [
+        {"role": "system", "content": "You are a helpful assistant"},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    outputs = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+    (output,) = outputs
+    assert "Paris" in output.outputs[0].text, output.outputs[0].text
+    # The server's rendering (one function), and the rendered text is the output's prompt.
+    assert output.prompt == llm.get_tokenizer().apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=True
+    )
+    assert output.prompt.endswith("<|im_start|>assistant\n")
+    assert output.outputs[0].finish_reason == "stop" and output.outputs[0].stop_reason is None  # EOS
+    assert output.outputs[0].token_ids[-1] in llm.llm_engine.eos_token_ids
+
+
+def test_chat_batch_and_its_options(llm):
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    one = llm.chat(ask, GREEDY, use_tqdm=False)[0]
+    batch = llm.chat([ask, [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]], GREEDY, use_tqdm=False)
+    assert len(batch) == 2 and batch[0].outputs[0].token_ids == one.outputs[0].token_ids
+    assert "<|im_start|>user\nHi<|im_end|>" in batch[1].prompt
+    # continue_final_message leaves the assistant's turn open for the model to go on with.
+    opened = ask + [{"role": "assistant", "content": "The capital of France is"}]
+    out = llm.chat(opened, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt.endswith("The capital of France is") and "Paris" in out.outputs[0].text
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(opened, GREEDY, continue_final_message=True)  # add_generation_prompt defaults to True
+    for bad in ([], [{"content": "no role"}], "Hi", [[]]):
+        with pytest.raises(ValueError, match="messages"):
+            llm.chat(bad, GREEDY, use_tqdm=False)
+
+
+def test_every_vllm_prompt_type(llm):
+    tok = llm.get_tokenizer()
+    text = "The capital of France is"
+    ids = tok.encode(text)
+    ref = llm.generate(text, GREEDY, use_tqdm=False)[0]
+    for prompts, n, shown in [
+        (text, 1, text),
+        ([text, text], 2, text),
+        (ids, 1, None),
+        ([ids, ids], 2, None),
+        ({"prompt": text}, 1, text),
+        ({"prompt_token_ids": ids}, 1, None),
+        ([{"prompt": text}, {"prompt_token_ids": ids}], 2, None),
+        ({"prompt_token_ids": ids, "prompt": text}, 1, text),  # a TokensPrompt may carry its text
+        ((text, ids), 2, None),
+    ]:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert len(outs) == n, prompts
+        assert all(o.outputs[0].token_ids == ref.outputs[0].token_ids for o in outs), prompts
+        assert all(o.prompt_token_ids == ids for o in outs), prompts
+        assert outs[-1].prompt == shown, prompts
+
+
+def test_a_prompt_dict_is_a_prompt_not_its_keys(llm):
+    # Once, {"prompt": ...} was iterated into its key and generated for the literal "prompt".
+    out = llm.generate({"prompt": "The capital of France is"}, GREEDY, use_tqdm=False)
+    assert len(out) == 1 and out[0].prompt == "The capital of France is"
+    assert out[0].prompt_token_ids != llm.get_tokenizer().encode("prompt")
+
+
+@pytest.mark.parametrize(
+    "prompts",
+    [
+        None,
+        42,
+        [],
+        [None],
+        ["ok", 3.5],
+        [[1, "a"]],
+        [[True, False]],
+        {"text": "hi"},
+        {"prompt": 5},
+        {"prompt_token_ids": "abc"},
+        {"prompt": "hi", "multi_modal_data": {}},
+        [{"prompt": "hi"}, {}],
+    ],
+)
+def test_bad_prompts_raise_naming_prompts(llm, prompts):
+    with pytest.raises(ValueError, match="^prompts"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+
+
+def test_the_books_dict_shorthand(llm):
+    prompt = "Paris is the capital and largest city of France. " * 6  # some full KV blocks
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert out["text"] == out.outputs[0].text and out["token_ids"] == out.outputs[0].token_ids
+    assert out["num_cached_tokens"] == out.num_cached_tokens
+    assert dict(out) == {"text": out["text"], "token_ids": out["token_ids"], "num_cached_tokens": out.num_cached_tokens}
+    again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert again["num_cached_tokens"] > 0  # the prompt's full blocks are prefix-cache hits now
+    with pytest.raises(KeyError, match="shorthand"):
+        out["finish_reason"]
+
+
+def test_sampling_params_one_per_prompt(llm):
+    prompts = ["The capital of France is", "Hello, my name is"]
+    outs = llm.generate(prompts, sampling_params=[GREEDY, SamplingParams(temperature=0.0, max_tokens=3)])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 3]
+    assert outs[1].outputs[0].finish_reason == "length" and outs[1].outputs[0].stop_reason is None
+    for params in ([GREEDY], [GREEDY] * 3):
+        with pytest.raises(ValueError, match="^sampling_params has"):
+            llm.generate(prompts, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="^sampling_params"):
+        llm.generate(prompts, {"temperature": 0.0}, use_tqdm=False)
+
+
+def test_priority_is_a_list_one_per_prompt(llm):
+    prompts = ["The capital of France is", "Hello, my name is"]
+    assert len(llm.generate(prompts, GREEDY, use_tqdm=False, priority=[1, 0])) == 2
+    for priority in (0, [0], [0, 0, 0]):
+        with pytest.raises(ValueError, match="^priority"):
+            llm.generate(prompts, GREEDY, use_tqdm=False, priority=priority)
+    with pytest.raises(ValueError, match="^priority"):
+        llm.generate("Hi", GREEDY, use_tqdm=False, priority=0)  # vLLM's type: a list even for one
+
+
+def test_finish_and_stop_reasons(llm):
+    prompt = "The capital of France is"
+    ref = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    assert (ref.finish_reason, ref.stop_reason) == ("length", None)
+
+    stop_id = ref.token_ids[3]
+    by_token = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id]))
+    got = by_token[0].outputs[0]
+    assert (got.finish_reason, got.stop_reason) == ("stop", stop_id)
+    assert got.token_ids == ref.token_ids[: ref.token_ids.index(stop_id) + 1]  # the stop token is kept
+
+    word = ref.text.split()[2]
+    by_string = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, stop=["zzz-never", word]))
+    got = by_string[0].outputs[0]
+    assert (got.finish_reason, got.stop_reason) == ("stop", word)
+    assert got.text == ref.text[: ref.text.index(word)]  # cut before the stop string
+
+
+def test_greedy_tokens_are_the_engine_loops(llm):
+    # The old generate drove add_request/step and returned dicts; the objects carry the same tokens.
+    prompts = ["The capital of France is", "Hello, my name is", "The future of AI is"]
+    engine = llm.llm_engine
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == [finished[i].completion_token_ids for i in ids]
+    assert [o.outputs[0].text for o in outs] == [finished[i].text for i in ids]
+
+
+def test_positional_model_and_get_tokenizer(llm):
+    assert llm.get_tokenizer() is llm.llm_engine.tokenizer is not None
+    with pytest.raises(TypeError):
+        LLM()  # type: ignore[call-arg]  # the model is required, by position or as model=

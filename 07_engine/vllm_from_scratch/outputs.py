@@ -1,0 +1,86 @@
+"""What ``LLM.generate`` and ``LLM.chat`` return: vLLM's ``RequestOutput`` and ``CompletionOutput``.
+
+These are the offline API's finished results, named and shaped as in ``vllm/outputs.py`` so
+that code written for vLLM reads them unchanged (``out.outputs[0].text``). The engine's
+per-step record, streamed to the server, is :class:`vllm_from_scratch.engine.RequestOutput`;
+``LLM`` folds the last one of each request into the classes here.
+
+The book's chapters and the source documents read results as dicts (``out["text"]``);
+``RequestOutput.__getitem__`` keeps that shorthand working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# The seeds' dict keys, and where each lives on vLLM's objects: the first completion's text and
+# token ids, and the request's prefix-cache hits.
+_SHORTHAND = {"text": "completion", "token_ids": "completion", "num_cached_tokens": "request"}
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's fields; ``n`` > 1 would give several).
+
+    Args:
+        index: which completion of the request this is (0 while ``n`` is 1).
+        text: the generated text, cut before a stop string that ended it.
+        token_ids: the generated token ids (a stop token that ended it included, as in vLLM).
+        cumulative_logprob: the sum of the sampled tokens' log-probabilities; None for now (the
+            engine does not return log-probabilities yet).
+        logprobs: per-token log-probabilities; None for now, as above.
+        finish_reason: "stop" (EOS, a stop token or a stop string), "length" (``max_tokens`` or
+            ``max_model_len``) or "abort".
+        stop_reason: the stop string or ``stop_token_ids`` entry that ended it; None for EOS,
+            a length stop or an abort.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Any]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        """Whether this completion has ended (vLLM's method)."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt (vLLM's fields).
+
+    Args:
+        request_id: the engine's id for the request.
+        prompt: the prompt's text; None when it was given as token ids (as in vLLM).
+        prompt_token_ids: the prompt's token ids, as the model saw them.
+        prompt_logprobs: per-prompt-token log-probabilities; None for now.
+        outputs: the completions (one while ``n`` is 1).
+        finished: whether the request has ended (always True from ``LLM.generate``).
+        num_cached_tokens: prompt tokens that were not computed (prefix-cache hits).
+
+    ``out["text"]``, ``out["token_ids"]`` and ``out["num_cached_tokens"]`` are the book's
+    shorthand, from the source documents' dict results: the first completion's text and token
+    ids, and the request's ``num_cached_tokens``. vLLM's objects have no such keys.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Any] | None] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int | None = None
+
+    def __getitem__(self, key: str) -> Any:
+        where = _SHORTHAND.get(key)
+        if where is None:
+            raise KeyError(f"{key!r}: a RequestOutput's shorthand keys are {list(_SHORTHAND)}")
+        return getattr(self if where == "request" else self.outputs[0], key)
+
+    def keys(self) -> list[str]:
+        """The shorthand's keys, so ``dict(out)`` gives the book's old dict result."""
+        return list(_SHORTHAND)
