@@ -129,7 +129,7 @@ def check(chapters: list[str] | None = None) -> list[tuple[Mistake, grade.Exerci
     for r, batch in enumerate(rounds(mistakes)):
         with tempfile.TemporaryDirectory(prefix=f"mistakes-round{r}-") as tmp:
             results += grade_round(batch, key, Path(tmp))
-    return results
+    return sorted(results, key=lambda result: mistakes.index(result[0]))
 
 
 def main(argv=None) -> int:
