@@ -224,28 +224,45 @@ def exercises_markdown() -> str:
 
 
 def chapter_sizes_markdown() -> str:
-    """Words of prose and lines of code per chapter, and the reading time they suggest.
+    """Words of prose and lines of code per page of each chapter, and the reading time they suggest.
 
-    Reading time: prose at 200 words a minute, modules at 20 lines a minute (code is read
-    twice: once for the idea, once for the edge cases), tests at 60 lines a minute. Words are
-    rounded to hundreds and lines to fifties, and the time is computed from the rounded sizes: the
-    committed table (docs/reading-path.md) then changes when a chapter grows, not at every edit.
+    A chapter with pages of its own (chapter 07's topics) gets a row per page, each with the modules
+    it walks through: a module or test file belongs to the other page that names it most often, or
+    to the README where no other page names it. Benchmark scripts are run, not read, so they are not counted. Reading time: prose at 200 words a
+    minute, modules at 20 lines a minute (code is read twice: once for the idea, once for the edge
+    cases), tests at 60 lines a minute. Words are rounded to hundreds and lines to fifties, and the
+    time is computed from the rounded sizes: the committed table (docs/reading-path.md) then
+    changes when a chapter grows, not at every edit.
     """
     rows = [
-        "| chapter | README words | module lines | test lines | reading time |",
+        "| page | words | module lines | test lines | reading time |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
     for chapter in chapters():
-        d = ROOT / chapter
-        words = _round_to(len((d / "README.md").read_text(encoding="utf-8").split()), 100)
-        py = [p for p in d.rglob("*.py") if "__pycache__" not in p.parts]
-        tests = _round_to(sum(_code_lines(p) for p in py if p.name.startswith("test_")), 50)
-        code = _round_to(sum(_code_lines(p) for p in py if not p.name.startswith("test_")), 50)
-        minutes = words / 200 + code / 20 + tests / 60
-        rows.append(
-            f"| [{chapter}](../{chapter}/README.md) | {words:,} | {code:,} | {tests:,} | {_duration(minutes)} |"
-        )
+        for page, (words, code, tests) in _page_sizes(chapter).items():
+            words, code, tests = _round_to(words, 100), _round_to(code, 50), _round_to(tests, 50)
+            minutes = words / 200 + code / 20 + tests / 60
+            name = chapter if page.endswith("README.md") else f"{chapter}: {page_title(page)}"
+            rel = posixpath.relpath(page, "docs")
+            rows.append(f"| [{name}]({rel}) | {words:,} | {code:,} | {tests:,} | {_duration(minutes)} |")
     return "\n".join(rows) + "\n"
+
+
+def _page_sizes(chapter: str) -> dict[str, tuple[int, int, int]]:
+    """Each page of ``chapter``: (words, module lines, test lines) as chapter_sizes_markdown counts them."""
+    pages = chapter_pages(chapter)
+    texts = {page: (ROOT / page).read_text(encoding="utf-8") for page in pages}
+    files = [p for p in (ROOT / chapter).rglob("*.py") if not {"__pycache__", "benchmarks"} & set(p.parts)]
+    # The README's table names every module once; a page that walks through one names it too.
+    owner = {f: max(pages[1:], key=lambda page: texts[page].count(f.name), default=pages[0]) for f in files}
+    owner = {f: page if texts[page].count(f.name) else pages[0] for f, page in owner.items()}
+    sizes = {}
+    for page in pages:
+        own = [f for f in files if owner[f] == page]
+        tests = sum(_code_lines(f) for f in own if f.name.startswith("test_"))
+        code = sum(_code_lines(f) for f in own if not f.name.startswith("test_"))
+        sizes[page] = (len(texts[page].split()), code, tests)
+    return sizes
 
 
 def _round_to(n: int, step: int) -> int:
