@@ -304,6 +304,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ParameterError("params", f"must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        self._check_sampling_support(params)
         check_int("priority", priority, -(2**63))
         token_ids = encode_prompt(self.tokenizer, prompt, self.config.vocab_size, self.max_model_len)
         if request_id is None:
@@ -324,6 +325,24 @@ class LLMEngine:
         )
         self.scheduler.check_schedulable(req)  # e.g. more KV blocks than the whole cache
         return req
+
+    def _check_sampling_support(self, params: SamplingParams) -> None:
+        """What :meth:`SamplingParams.validate` cannot know: the vocabulary, and which fields
+        speculative decoding cannot honour (penalties and ``min_tokens`` change with each
+        position, and drafts score several positions in one row set)."""
+        vocab = self.config.vocab_size
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise ParameterError("logit_bias", f"holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if self.config.speculative is not None:
+            for name, off in (
+                ("presence_penalty", 0.0),
+                ("frequency_penalty", 0.0),
+                ("repetition_penalty", 1.0),
+                ("min_tokens", 0),
+            ):
+                if getattr(params, name) != off:
+                    raise ParameterError(name, "is not supported with speculative decoding (speculative_config)")
 
     def add_request(
         self,
@@ -398,7 +417,9 @@ class LLMEngine:
         req.detokenizer.update(req.token_ids)
         req.text = req.detokenizer.text
         stop_strings = req.stop_strings
-        stop_string = self._cut_at_stop_string(req) if stop_strings else None
+        # vLLM checks stop strings only once more than min_tokens tokens are out.
+        check_stops = stop_strings and req.num_completion_tokens > req.sampling_params.min_tokens
+        stop_string = self._cut_at_stop_string(req) if check_stops else None
         if stop_string is not None and not req.is_finished:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
         if req.is_finished:

@@ -23,7 +23,7 @@ from vllm_from_scratch.kv_connector import BlockTransfer, KVConnectorWorker
 from vllm_from_scratch.layers.attention import Attention, AttentionMetadata
 from vllm_from_scratch.layers.prepacked import prepack_model
 from vllm_from_scratch.loader import get_model
-from vllm_from_scratch.sampler import Sampler, SamplingTensors, exponential_noise
+from vllm_from_scratch.sampler import Sampler, SamplingTensors, apply_logits_processors, exponential_noise
 
 # Longest dummy prompt of the warm-up; a step at the token budget is several of them.
 WARM_UP_ROW = 256
@@ -283,6 +283,7 @@ class ModelRunner:
         sampling = SamplingTensors.from_requests(
             scheduler_output.scheduled_requests, info.num_sample_rows, logits.shape[-1], logits.device
         )
+        logits = apply_logits_processors(logits, sampling)
         if any(info.num_spec):
             return self.verify_drafts(logits, sampling, info)
         tokens = self.sampler(

@@ -68,12 +68,73 @@ def exponential_noise(
 
 
 @dataclass
+class Penalties:
+    """vLLM's three penalties for the rows that use any of them (``rows``, into the batch).
+
+    ``output_counts [P, V]`` counts each token in the row's output; ``seen [P, V]`` marks tokens
+    in its prompt or output (the repetition penalty's set). Built from the requests' token ids
+    with one ``index_put_`` each, for these rows only, so the other rows cost nothing.
+    """
+
+    rows: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    output_counts: torch.Tensor
+    seen: torch.Tensor
+
+    @classmethod
+    def from_rows(cls, rows: list[int], requests: Sequence, vocab_size: int, device: torch.device | str) -> Penalties:
+        """``requests[i]`` (prompt and completion token ids, ``sampling_params``) owns ``rows[i]``."""
+        params = [r.sampling_params for r in requests]
+
+        def flat(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+            row_idx = [i for i, ids in enumerate(lists) for _ in ids]
+            return (
+                torch.tensor(row_idx, dtype=torch.long, device=device),
+                torch.tensor([t for ids in lists for t in ids], dtype=torch.long, device=device),
+            )
+
+        shape = (len(rows), vocab_size)
+        out_rows, out_ids = flat([list(r.completion_token_ids) for r in requests])
+        counts = torch.zeros(shape, device=device)
+        counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=counts.dtype), accumulate=True)
+        seen = counts > 0
+        prompt_rows, prompt_ids = flat([list(r.prompt_token_ids) for r in requests])
+        seen[prompt_rows, prompt_ids] = True
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device).unsqueeze(1)
+
+        return cls(
+            torch.tensor(rows, dtype=torch.long, device=device),
+            column("presence_penalty"),
+            column("frequency_penalty"),
+            column("repetition_penalty"),
+            counts,
+            seen,
+        )
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """vLLM's ``apply_penalties``, in place on ``logits [B, V]``'s penalized rows."""
+        sub = logits[self.rows]
+        repetition = torch.where(self.seen, self.repetition, torch.ones_like(self.repetition))
+        sub = torch.where(sub > 0, sub / repetition, sub * repetition)
+        sub -= self.frequency * self.output_counts + self.presence * (self.output_counts > 0)
+        logits[self.rows] = sub
+
+
+@dataclass
 class SamplingTensors:
     """Per-row sampling settings of one batch's logits (a request repeats over its rows).
 
     ``top_ks`` / ``top_ps`` are None when no row uses them; ``generators`` is None when no
     request is seeded. ``request_ids`` and ``request_generators`` have one entry per sampling
     request, in row order.
+
+    The logits processors (:func:`apply_logits_processors`) are None when no row uses them:
+    ``min_ps [B]``; ``logit_bias`` and ``min_tokens_mask`` as ``(rows, token_ids[, values])``
+    index tensors of the entries to change; ``penalties`` for the penalized rows.
     """
 
     temperatures: torch.Tensor
@@ -82,12 +143,23 @@ class SamplingTensors:
     generators: list[torch.Generator | None] | None
     request_ids: list[str]
     request_generators: list[torch.Generator | None]
+    min_ps: torch.Tensor | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    penalties: Penalties | None = None
 
     @classmethod
     def from_requests(
         cls, requests: Sequence, num_rows: Sequence[int], vocab_size: int, device: torch.device | str
     ) -> SamplingTensors:
-        """``requests[i]`` (with ``sampling_params`` and ``generator``) owns ``num_rows[i]`` rows."""
+        """``requests[i]`` (with ``sampling_params`` and ``generator``) owns ``num_rows[i]`` rows.
+
+        The logits processors also read a request's ``prompt_token_ids``,
+        ``completion_token_ids`` and ``stop_token_ids`` (EOS included unless ``ignore_eos``),
+        only when its parameters use them. A request with several rows (drafts) gets the same
+        settings on each; the engine refuses the position-dependent ones (penalties,
+        ``min_tokens``) with drafts.
+        """
         sampling = [(r, n) for r, n in zip(requests, num_rows) if n]
         params = [r.sampling_params for r, n in sampling for _ in range(n)]
         request_generators = [r.generator for r, _ in sampling]
@@ -98,7 +170,72 @@ class SamplingTensors:
         if any(p.top_p < 1.0 for p in params):
             top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         generators = [g for (r, n) in sampling for g in [r.generator] * n] if any(request_generators) else None
-        return cls(temps, top_ks, top_ps, generators, [r.request_id for r, _ in sampling], request_generators)
+        tensors = cls(temps, top_ks, top_ps, generators, [r.request_id for r, _ in sampling], request_generators)
+        if any(p.min_p > 0.0 or p.logit_bias or p.min_tokens or p.uses_penalties for p in params):
+            tensors._add_processors([r for r, n in sampling for _ in range(n)], vocab_size, device)
+        return tensors
+
+    def _add_processors(self, row_requests: list, vocab_size: int, device: torch.device | str) -> None:
+        params = [r.sampling_params for r in row_requests]
+        if any(p.min_p > 0.0 for p in params):
+            self.min_ps = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+        if bias:
+            rows, ids, values = zip(*bias)
+            self.logit_bias = (
+                torch.tensor(rows, dtype=torch.long, device=device),
+                torch.tensor(ids, dtype=torch.long, device=device),
+                torch.tensor(values, dtype=torch.float32, device=device),
+            )
+        masked = [
+            (i, t)
+            for i, r in enumerate(row_requests)
+            if r.num_completion_tokens < r.sampling_params.min_tokens
+            for t in sorted(r.stop_token_ids)
+            if t < vocab_size  # a stop id past the vocabulary can never be sampled anyway
+        ]
+        if masked:
+            rows, ids = zip(*masked)
+            self.min_tokens_mask = (
+                torch.tensor(rows, dtype=torch.long, device=device),
+                torch.tensor(ids, dtype=torch.long, device=device),
+            )
+        penalized = [i for i, p in enumerate(params) if p.uses_penalties]
+        if penalized:
+            self.penalties = Penalties.from_rows(penalized, [row_requests[i] for i in penalized], vocab_size, device)
+
+    @property
+    def has_processors(self) -> bool:
+        return any(x is not None for x in (self.min_ps, self.logit_bias, self.min_tokens_mask, self.penalties))
+
+
+def apply_logits_processors(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+    """vLLM V1's steps before temperature, top-k and top-p, on a copy of ``logits [B, V]``.
+
+    In vLLM V1's order: ``min_tokens`` (EOS and stop tokens to -inf), ``logit_bias`` (added),
+    then the penalties (repetition over prompt and output, then frequency and presence over the
+    output), and ``min_p``. Greedy rows see all but ``min_p``, which never drops the argmax.
+    ``logits`` itself is returned, untouched and uncopied, when no row uses any of them.
+
+    ``min_p`` acts on probabilities after temperature ``T``: ``p_i < min_p * p_max`` is
+    ``(l_i - l_max) / T < log(min_p)``, i.e. ``l_i < l_max + T * log(min_p)`` on the logits
+    before temperature, so it is applied here and the sampler that follows is unchanged.
+    """
+    if not sampling.has_processors:
+        return logits
+    logits = logits.float().clone()
+    if sampling.min_tokens_mask is not None:
+        logits[sampling.min_tokens_mask] = float("-inf")
+    if sampling.logit_bias is not None:
+        rows, ids, values = sampling.logit_bias
+        logits.index_put_((rows, ids), values, accumulate=True)
+    if sampling.penalties is not None:
+        sampling.penalties.apply(logits)
+    if sampling.min_ps is not None:
+        temps = sampling.temperatures.clamp(min=1e-5)
+        threshold = logits.max(dim=-1).values + temps * torch.log(sampling.min_ps)  # log(0) = -inf: off
+        logits.masked_fill_(logits < threshold.unsqueeze(1), float("-inf"))
+    return logits
 
 
 class Sampler:

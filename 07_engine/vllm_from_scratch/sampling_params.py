@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_from_scratch.errors import ParameterError
 
@@ -28,6 +29,23 @@ def check_float(name: str, value: object, low: float, high: float = math.inf, lo
         raise ParameterError(name, f"must be in {bracket}{low}, {high}], got {value}")
 
 
+def _token_key(key: object) -> Any:
+    """A ``logit_bias`` key as an int: JSON objects only have string keys ("50256")."""
+    if isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            raise ParameterError("logit_bias", f"keys must be token ids, got {key!r}") from None
+    return key
+
+
+def _clamp_bias(value: object) -> Any:
+    """vLLM clamps each bias to [-100, 100]; a non-number is left for :meth:`validate` to name."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return min(100.0, max(-100.0, float(value)))
+    return value
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings (vLLM's names and defaults).
@@ -42,6 +60,19 @@ class SamplingParams:
         stop_token_ids: token ids that end generation besides EOS (kept in ``token_ids``), even
             with ``ignore_eos``.
         seed: a per-request random seed: the same seed gives the same sample whatever the batch.
+        presence_penalty: subtracted once from the logit of every token already generated; in
+            [-2, 2] (vLLM V1: over output tokens only).
+        frequency_penalty: subtracted from a token's logit once per time it was generated; in
+            [-2, 2] (output tokens only).
+        repetition_penalty: > 0; a token seen in the prompt or the output has a positive logit
+            divided by it and a negative one multiplied by it (1.0: off).
+        min_p: drop tokens whose probability (after temperature) is below ``min_p`` times the
+            most likely token's; in [0, 1] (0: off).
+        min_tokens: EOS and ``stop_token_ids`` cannot be sampled, and stop strings are not
+            checked, before this many tokens are generated; >= 0 and <= ``max_tokens``.
+        logit_bias: ``{token_id: bias}`` added to the logits; biases are clamped to [-100, 100]
+            and string keys (JSON) read as ints, as vLLM's ``from_optional`` does. The engine
+            checks the ids against the vocabulary.
 
     Every rule lives in :meth:`validate`, which raises :class:`ParameterError` naming the field.
     """
@@ -54,6 +85,12 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +101,8 @@ class SamplingParams:
             raise ParameterError("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_token_key(k): _clamp_bias(v) for k, v in self.logit_bias.items()}
         self.validate()
 
     def validate(self) -> None:
@@ -83,6 +122,26 @@ class SamplingParams:
             check_int("stop_token_ids", t, 0)
         if self.seed is not None:
             check_int("seed", self.seed, -(2**63), 2**64 - 1)
+        check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_float("repetition_penalty", self.repetition_penalty, 0.0, low_inclusive=False)
+        check_float("min_p", self.min_p, 0.0, 1.0)
+        check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ParameterError(
+                "min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ParameterError("logit_bias", f"must be a dict of token id to bias, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                check_int("logit_bias", token, 0)
+                check_float("logit_bias", bias, -100.0, 100.0)
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether any of the three penalties is on (they need the request's token counts)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
