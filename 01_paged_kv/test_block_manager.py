@@ -33,9 +33,13 @@ def test_allocate_gives_ceil_blocks_and_free_returns_them_tail_first():
     assert bm.get_num_free_blocks() == 5 and bm.usage == 3 / 8
     bm.check_invariants()
     bm.free(seq)
-    assert seq.block_table == [] and bm.all_blocks_free()
+    assert seq.block_table == [], f"free leaves the table empty, got {seq.block_table}"
+    assert bm.all_blocks_free()
     # Tail first: block 2 was freed before block 0, so it sits earlier in the LRU queue.
-    assert list(bm.free_block_ids)[-3:] == [2, 1, 0]
+    assert list(bm.free_block_ids)[-3:] == [2, 1, 0], (
+        f"free queue ends {list(bm.free_block_ids)[-3:]}: blocks go back tail first, so a prefix chain's end "
+        "is reused before its start"
+    )
     bm.check_invariants()
 
 
@@ -47,9 +51,12 @@ def test_shared_block_is_freed_by_its_last_holder():
     assert bm.allocate_slots(b, 2, shared)
     b.num_computed_tokens += 4
     assert b.block_table[0] == a.block_table[0] and len(b.block_table) == 2
-    assert bm.blocks[shared[0]].ref_count == 2
+    assert bm.blocks[shared[0]].ref_count == 2, "a prefix hit adds a holder to the block (self._touch_block)"
     bm.free(a)
-    assert bm.blocks[shared[0]].ref_count == 1 and shared[0] in bm.used_block_ids
+    assert bm.blocks[shared[0]].ref_count == 1 and shared[0] in bm.used_block_ids, (
+        f"block {shared[0]} is still held by b: freeing a drops one reference, it does not free the block "
+        f"(ref_count {bm.blocks[shared[0]].ref_count})"
+    )
     bm.check_invariants()
     bm.free(b)
     assert bm.all_blocks_free()
@@ -63,7 +70,10 @@ def test_hit_on_an_idle_block_takes_it_out_of_the_free_queue():
     # 1 hit + 5 new tokens = 9 tokens = 3 blocks: 2 new ones plus the idle hit leaves the queue.
     assert bm.can_allocate_slots(seq, 5, [idle])
     assert bm.allocate_slots(seq, 5, [idle])
-    assert seq.block_table[0] == idle and bm.get_num_free_blocks() == 0
+    assert seq.block_table[0] == idle and bm.get_num_free_blocks() == 0, (
+        f"the hit on idle block {idle} must take it out of the free queue (self._touch_block), or it would be "
+        f"handed out again; free blocks left: {list(bm.free_block_ids)}"
+    )
     bm.check_invariants()
     bm.free(seq)
     assert bm.all_blocks_free()
@@ -76,7 +86,10 @@ def test_failed_allocation_changes_nothing():
     assert not bm.can_allocate(seq)
     free_before, table_before = list(bm.free_block_ids), list(holder.block_table)
     assert bm.allocate_slots(seq, 12) is False
-    assert seq.block_table == [] and list(bm.free_block_ids) == free_before
+    assert seq.block_table == [] and list(bm.free_block_ids) == free_before, (
+        f"a failed allocation must change nothing (check can_allocate_slots first); the sequence kept "
+        f"{seq.block_table} and the free queue is {list(bm.free_block_ids)}, was {free_before}"
+    )
     # A partial request on a sequence that already holds blocks fails whole, too.
     assert bm.allocate_slots(holder, 9) is False
     assert holder.block_table == table_before and list(bm.free_block_ids) == free_before
@@ -91,7 +104,10 @@ def test_token_level_allocate_slots_grows_chunk_by_chunk():
     seq = Sequence(range(13), block_size=4)
     for chunk, blocks in [(5, 2), (3, 2), (5, 4)]:  # chunked prefill: 5 + 3 + 5 tokens
         assert bm.allocate_slots(seq, chunk)
-        assert len(seq.block_table) == blocks
+        assert len(seq.block_table) == blocks, (
+            f"after {seq.num_computed_tokens} + {chunk} tokens the table needs {blocks} blocks of 4, has "
+            f"{len(seq.block_table)}: a chunk first fills the room left in the last block"
+        )
         seq.num_computed_tokens += chunk
     assert bm.allocate_slots(seq, 0) and len(seq.block_table) == 4
     with pytest.raises(ValueError, match="num_new_tokens"):

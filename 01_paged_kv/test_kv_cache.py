@@ -49,7 +49,10 @@ def test_build_slot_mapping_decode_and_prefill():
     bs = 4
     # decode: one token per sequence
     slots = build_slot_mapping(block_tables, torch.tensor([5, 9]), bs)
-    assert slots.tolist() == [2 * 4 + 1, 9 * 4 + 1]
+    assert slots.tolist() == [2 * 4 + 1, 9 * 4 + 1], (
+        f"position 5 of sequence 0 is offset 1 of its logical block 1, physical block 2 (table [7, 2, ...]): "
+        f"slot 9, not block_tables[s, 0] * block_size + p; got {slots.tolist()}"
+    )
     # prefill/varlen: tokens of both sequences, a -1 position is padding
     positions = torch.tensor([0, 3, 4, -1, 8, 11])
     seq_ids = torch.tensor([0, 0, 0, 0, 1, 1])
@@ -58,7 +61,10 @@ def test_build_slot_mapping_decode_and_prefill():
         block_tables[s, p // bs].item() * bs + p % bs if p >= 0 else -1
         for s, p in zip(seq_ids.tolist(), positions.tolist())
     ]
-    assert slots.tolist() == expected and slots.dtype == torch.int64
+    assert slots.tolist() == expected and slots.dtype == torch.int64, (
+        f"got {slots.tolist()} ({slots.dtype}), expected int64 {expected}: each slot is "
+        "block_tables[seq, p // block_size] * block_size + p % block_size, and a padding position (-1) is slot -1"
+    )
 
 
 def test_build_slot_mapping_rejects_positions_past_the_table():

@@ -31,8 +31,10 @@ def test_store_writes_each_token_to_its_slot(store):
     store(key, value, k_cache, v_cache, slots)
     bs = k_cache.shape[1]
     for i, s in enumerate(slots.tolist()):
-        assert torch.equal(k_cache[s // bs, s % bs], key[i])
-        assert torch.equal(v_cache[s // bs, s % bs], value[i])
+        assert torch.equal(k_cache[s // bs, s % bs], key[i]) and torch.equal(v_cache[s // bs, s % bs], value[i]), (
+            f"token {i}'s K/V is not in slot {s} (block {s // bs}, offset {s % bs}): the store must write "
+            "into the cache itself (a view), not into a copy made by chained indexing or reshape"
+        )
     written = torch.zeros(k_cache.shape[0] * bs, dtype=torch.bool)
     written[slots] = True
     untouched = ~written.view(k_cache.shape[:2])
@@ -48,7 +50,10 @@ def test_minus_one_slots_are_skipped():
     flat_after = cache[:, 0].reshape(2, -1, *key.shape[1:])
     kept = slots[slots >= 0]
     changed = (flat_after != flat_before).flatten(2).any(-1).any(0)
-    assert set(changed.nonzero().flatten().tolist()) <= set(kept.tolist())
+    assert set(changed.nonzero().flatten().tolist()) <= set(kept.tolist()), (
+        f"slots {sorted(set(changed.nonzero().flatten().tolist()) - set(kept.tolist()))} changed though no "
+        "token maps there: slot -1 means 'do not store', not the last slot (Python's wrap-around)"
+    )
     assert torch.equal(flat_after[0, kept], key[slots >= 0])
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen
+from paged_attention import dense_attention_reference, gather_kv, paged_attention_decode, paged_attention_varlen
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -44,7 +44,17 @@ def assert_each_sequence_matches_dense(out, q, ks, vs, scale, tol):
     """Row ``b`` of a decode output equals dense attention over sequence ``b``'s own K/V."""
     for b in range(len(ks)):
         ref = dense_attention_reference(q[b : b + 1], ks[b], vs[b], causal=True, scale=scale)
-        torch.testing.assert_close(out[b : b + 1].float(), ref.float(), **tol)
+        hq, hkv = q.shape[1], ks[b].shape[1]
+        torch.testing.assert_close(
+            out[b : b + 1].float(),
+            ref.float(),
+            **tol,
+            msg=lambda m, b=b, hq=hq, hkv=hkv: (
+                f"sequence {b} ({len(ks[b])} keys) differs from dense attention over its own keys: positions "
+                f"at or past its context length are masked, and of {hq} query heads over {hkv} kv heads, query "
+                f"head h reads kv head h // {hq // hkv}.\n{m}"
+            ),
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -69,7 +79,29 @@ def test_varlen_with_cached_context_matches_dense(dtype):
     out = paged_attention_varlen(q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), bt, d**-0.5)
     for b in range(len(shapes)):
         ref = dense_attention_reference(q[cu[b] : cu[b + 1]], ks[b], vs[b], causal=True, scale=d**-0.5)
-        torch.testing.assert_close(out[cu[b] : cu[b + 1]].float(), ref.float(), **TOL[dtype])
+        q_len, kv_len = shapes[b]
+        torch.testing.assert_close(
+            out[cu[b] : cu[b + 1]].float(),
+            ref.float(),
+            **TOL[dtype],
+            msg=lambda m, b=b, q_len=q_len, kv_len=kv_len: (
+                f"sequence {b}: {q_len} new tokens after {kv_len - q_len} cached ones are query rows "
+                f"cu_seqlens_q[{b}]:cu_seqlens_q[{b + 1}] at positions {kv_len - q_len}..{kv_len - 1}, so the "
+                f"causal mask lets query i see keys 0..{kv_len - q_len} + i.\n{m}"
+            ),
+        )
+
+
+def test_gather_kv_reads_blocks_in_table_order():
+    # Sequence 0's blocks are scattered and out of order; sequence 1's table is padded with -1.
+    k_cache, _, bt, ks, _ = build_paged([10, 3], 2, 4, 4, torch.float32, seed=6)
+    gathered = gather_kv(k_cache, bt, 10)
+    for b, k in enumerate(ks):
+        for p in range(len(k)):
+            assert torch.equal(gathered[b, p], k[p]), (
+                f"position {p} of sequence {b} is slot {p % 4} of block block_tables[{b}][{p // 4}] = "
+                f"{int(bt[b, p // 4])}: blocks come back in the table's order, each block's slots in order"
+            )
 
 
 def test_varlen_without_causal_mask_sees_every_key():
