@@ -47,6 +47,7 @@ class ScriptedEngine:
         self.requests = {}
         self.aborted = []
         self.priorities = {}
+        self.params = {}  # every request's SamplingParams, kept after it finishes
         self.stats = dict(
             prompt_tokens_total=0,
             generation_tokens_total=0,
@@ -63,6 +64,7 @@ class ScriptedEngine:
         max_tokens = resolve_max_tokens(params.max_tokens, len(prompt), self.max_model_len, fit_max_tokens)
         self.requests[request_id] = dict(prompt=prompt, params=params, max_tokens=max_tokens, out=[])
         self.priorities[request_id] = priority
+        self.params[request_id] = params
         self.stats["prompt_tokens_total"] += len(prompt)
         return request_id
 
@@ -157,7 +159,9 @@ def test_completion_returns_text_and_usage(client, tokenizer):
     body = resp.json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     expected = "".join(tokenizer.decode([t]) for t in [10, 11, 12, 10, 11])
-    assert body["choices"] == [{"index": 0, "text": expected, "logprobs": None, "finish_reason": "length"}]
+    assert body["choices"] == [
+        {"index": 0, "text": expected, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+    ]
     assert body["usage"]["prompt_tokens"] == 3
     assert body["usage"]["completion_tokens"] == 5
     assert body["usage"]["total_tokens"] == 8
@@ -221,7 +225,8 @@ def test_batched_prompts_give_one_choice_each(client, tokenizer):
         ({"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
         ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
         ({"prompt": "hi", "echo": True}, 400, "echo"),
-        ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        # Out of range: refused by SamplingParams where it has penalties, else as unsupported.
+        ({"prompt": "hi", "presence_penalty": 5.0}, 400, "presence_penalty"),
         ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
         ({"prompt": "hi", "top_p": 0.0}, 400, "top_p"),
         ({"prompt": "hi", "top_k": -7}, 400, "top_k"),
@@ -240,7 +245,7 @@ def test_bad_completion_requests_get_openai_errors(client, payload, status, para
 
 
 def test_completion_checks_include_the_shared_sampling_checks():
-    for field, value in [("n", 2), ("frequency_penalty", 0.5), ("logit_bias", {"5": 1.0})]:
+    for field, value in [("n", 2), ("use_beam_search", True), ("guided_regex", "a+")]:
         with pytest.raises(APIError) as refused:
             CompletionRequest(prompt="hi", **{field: value}).check_supported()
         assert refused.value.param == field, (

@@ -3,7 +3,10 @@
 * ``GET  /v1/models``            the one served model;
 * ``POST /v1/completions``       text or token-id prompts, ``stream: true`` over SSE;
 * ``POST /v1/chat/completions``  messages rendered with the model's chat template;
-* ``GET  /health``               200 while the engine loop lives, 503 once it died;
+* ``POST /tokenize``, ``/detokenize``  vLLM's: text or messages to token ids, and back;
+* ``GET  /health``, ``/ping``     200 while the engine loop lives, 503 once it died (``/ping``
+  also answers POST, as vLLM's);
+* ``GET  /version``              ``{"version": ...}``;
 * ``GET  /metrics``              Prometheus text with vLLM's metric names.
 
 Two guards, ASGI middleware in front of every route, answer before FastAPI reads the body: the
@@ -14,13 +17,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import AsyncIterator
+import importlib.metadata
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -28,7 +33,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vllm_from_scratch.async_llm import AsyncLLM
 from vllm_from_scratch.metrics import CONTENT_TYPE, ServerMetrics
-from vllm_from_scratch.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, now
+from vllm_from_scratch.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    error_body,
+    now,
+)
 from vllm_from_scratch.serving import OpenAIServing
 from vllm_from_scratch.streaming import ClientGone
 from vllm_from_scratch.viz_server import add_viz_routes
@@ -41,7 +55,19 @@ if TYPE_CHECKING:
 
 # Paths open without the API key: load balancers' probes and Prometheus scrapers. An allow-list,
 # so that a route added later (a /viz page) is protected by default.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# /ping and /version are vLLM's probes, open there too. (vLLM leaves every path outside /v1
+# open, /tokenize included; here those need the key: a stranger's tokenize is CPU time.)
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("vllm-from-scratch")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "0.0.0+unknown"
+
+
+VERSION = _version()
 
 # A request body may hold this many bytes per token of max_model_len, so a prompt of that many
 # tokens always fits however it is written: the default model's longest token is 82 bytes as a
@@ -64,6 +90,7 @@ def build_app(
     tokenizer: PreTrainedTokenizerBase | None = None,
     api_key: str | None = None,
     max_request_bytes: int | None = None,
+    default_sampling_params: Mapping[str, Any] | None = None,
 ) -> FastAPI:
     """The FastAPI application serving ``engine`` (an ``LLMEngine`` or anything with its API).
 
@@ -72,11 +99,18 @@ def build_app(
     ``api_key``: if set, every path but :data:`OPEN_PATHS` needs it as a bearer token.
     ``max_request_bytes``: the largest request body accepted (default
     :func:`default_max_request_bytes` of the engine's ``max_model_len``).
+    ``default_sampling_params``: the model's sampling defaults for fields a request leaves unset
+    (:func:`serving.generation_config_defaults`).
     """
-    metrics = ServerMetrics(served_model_name, lambda: llm.stats)
+    metrics = ServerMetrics(served_model_name, lambda: llm.stats, engine.max_model_len)
     llm = AsyncLLM(engine, metrics)
     serving = OpenAIServing(
-        llm, served_model_name, tokenizer or engine.tokenizer, engine.max_model_len, engine.config.vocab_size
+        llm,
+        served_model_name,
+        tokenizer or engine.tokenizer,
+        engine.max_model_len,
+        engine.config.vocab_size,
+        default_sampling_params,
     )
 
     @asynccontextmanager
@@ -106,11 +140,35 @@ def build_app(
         model["max_model_len"] = serving.max_model_len  # vLLM's addition to OpenAI's model object
         return {"object": "list", "data": [model]}
 
+    @app.post("/tokenize", response_model=None)
+    async def tokenize(raw: Request) -> dict[str, Any]:
+        # Which of vLLM's two shapes: "messages" makes it a chat request.
+        body = await raw.json()
+        kind: type[BaseModel] = (
+            TokenizeChatRequest if isinstance(body, dict) and "messages" in body else TokenizeCompletionRequest
+        )
+        try:
+            request = kind.model_validate(body)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from exc
+        return await serving.tokenize(request)  # type: ignore[arg-type]
+
+    @app.post("/detokenize", response_model=None)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await serving.detokenize(body)
+
     @app.get("/health")
     async def health() -> Response:
         if not llm.is_running:
             return JSONResponse(error_body(f"engine loop is dead: {llm.error!r}", "server_error"), status_code=503)
         return Response(status_code=200)
+
+    # vLLM's /ping (SageMaker's probe): the health check, on GET and POST.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/version", response_model=None)
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

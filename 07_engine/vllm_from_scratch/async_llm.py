@@ -37,6 +37,11 @@ class _Stream:
     queue: asyncio.Queue
     arrival: float
     last_token_time: float | None = None
+    # For vLLM's per-phase metrics: the start of the first step that scheduled the request (the
+    # engine's step is the grain of scheduling), its first token's time, its max_tokens.
+    scheduled: float | None = None
+    first_token_time: float | None = None
+    max_tokens: int | None = None
 
 
 @dataclass
@@ -86,7 +91,9 @@ class AsyncLLM:
 
     ``metrics`` (a :class:`metrics.ServerMetrics`, optional) receives time to first token,
     inter-token and end-to-end latencies, observed in the engine thread the moment an output
-    leaves ``step()``, so the numbers do not include the HTTP side's scheduling jitter.
+    leaves ``step()``, so the numbers do not include the HTTP side's scheduling jitter; and
+    vLLM's per-request phases (queue, prefill, decode, inference), token counts and tokens per
+    step, timed here from the steps, so the engine itself keeps no clocks for them.
     """
 
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None):
@@ -96,6 +103,7 @@ class AsyncLLM:
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._unscheduled: set[str] = set()  # accepted, never yet in a step that computed for it
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
@@ -142,7 +150,9 @@ class AsyncLLM:
                 if not self._apply_commands(block=not self.engine.has_unfinished_requests()):
                     return
                 if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
+                    step_start = time.perf_counter()
+                    self._dispatch(self.engine.step(), step_start)
+                    self._observe_step(dict(self.engine.get_stats()))
                 self.stats = dict(self.engine.get_stats())
         except BaseException as exc:  # noqa: BLE001 - any crash must reach the clients
             log.exception("engine loop died")
@@ -179,17 +189,32 @@ class AsyncLLM:
             _resolve(command.stream.loop, command.accepted, exc)
             return
         self._streams[command.request_id] = command.stream
+        self._unscheduled.add(command.request_id)
+        # The max_tokens the engine resolved (None in the body: what the context leaves).
+        resolved = getattr(self.engine.requests.get(command.request_id), "max_tokens", None)
+        command.stream.max_tokens = resolved if isinstance(resolved, int) else command.params.max_tokens
         _resolve(command.stream.loop, command.accepted, None)
 
     def _abort(self, request_id: str) -> None:
+        self._unscheduled.discard(request_id)
         if self._streams.pop(request_id, None) is None:
             return
         self.engine.abort_request(request_id)
         if self.metrics is not None:
             self.metrics.request_finished("abort")
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], step_start: float | None = None) -> None:
         now = time.perf_counter()
+        step_start = now if step_start is None else step_start
+        produced = {out.request_id for out in outputs}
+        for request_id in list(self._unscheduled):
+            # Scheduled in this step if it produced an output or the engine computed some of its
+            # prompt (a chunked prefill's first chunk produces no output).
+            req = self.engine.requests.get(request_id)
+            if request_id in produced or getattr(req, "num_computed_tokens", 0) > 0:
+                self._unscheduled.discard(request_id)
+                if (stream := self._streams.get(request_id)) is not None:
+                    stream.scheduled = step_start
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -198,10 +223,40 @@ class AsyncLLM:
                 self._observe_token_step(stream, now)
             if out.finished:
                 del self._streams[out.request_id]
+                self._unscheduled.discard(out.request_id)
                 if self.metrics is not None:
                     self.metrics.e2e_request_latency.observe(now - stream.arrival)
                     self.metrics.request_finished(out.finish_reason or "stop")
+                    if out.finish_reason != "abort":
+                        self._observe_finished(stream, out)
             _push(stream, out)
+
+    def _observe_finished(self, stream: _Stream, out: RequestOutput) -> None:
+        """vLLM's per-request histograms, observed when the request finishes (as vLLM does)."""
+        assert self.metrics is not None
+        m = self.metrics
+        m.request_prompt_tokens.observe(out.num_prompt_tokens)
+        m.request_generation_tokens.observe(len(out.completion_token_ids))
+        if stream.max_tokens is not None:
+            m.request_params_max_tokens.observe(stream.max_tokens)
+        if stream.scheduled is None:
+            return
+        m.request_queue_time.observe(stream.scheduled - stream.arrival)
+        if stream.first_token_time is not None and stream.last_token_time is not None:
+            m.request_prefill_time.observe(stream.first_token_time - stream.scheduled)
+            m.request_decode_time.observe(stream.last_token_time - stream.first_token_time)
+            m.request_inference_time.observe(stream.last_token_time - stream.scheduled)
+
+    def _observe_step(self, stats: dict) -> None:
+        """Tokens of one step (vLLM's ``iteration_tokens_total``): the engine's prompt and
+        generation counters since the last step (a prompt counts when its prefill completes,
+        as in vLLM's engine stats)."""
+        if self.metrics is None:
+            return
+        before = self.stats.get("prompt_tokens_total", 0) + self.stats.get("generation_tokens_total", 0)
+        tokens = stats.get("prompt_tokens_total", 0) + stats.get("generation_tokens_total", 0) - before
+        if tokens > 0:
+            self.metrics.iteration_tokens.observe(tokens)
 
     def _observe_token_step(self, stream: _Stream, now: float) -> None:
         if self.metrics is not None:
@@ -209,12 +264,15 @@ class AsyncLLM:
                 self.metrics.time_to_first_token.observe(now - stream.arrival)
             else:
                 self.metrics.inter_token_latency.observe(now - stream.last_token_time)
+        if stream.first_token_time is None:
+            stream.first_token_time = now
         stream.last_token_time = now
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():
             _push(stream, exc)
         self._streams.clear()
+        self._unscheduled.clear()
         while True:
             try:
                 command = self._commands.get_nowait()

@@ -24,7 +24,24 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)
+# vLLM's request_latency_buckets: queue, prefill, decode and inference times.
+REQUEST_TIME_BUCKETS = E2E_BUCKETS
 # fmt: on
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def one_two_five_buckets(limit: int) -> tuple[float, ...]:
+    """vLLM's ``build_1_2_5_buckets``: 1, 2, 5, 10, 20, 50, ... up to ``limit`` (token counts)."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > limit:
+                return tuple(buckets)
+            buckets.append(value)
+        exponent += 1
+
 
 # (vLLM name, get_stats() key, help). Gauges are read as they are; counters get "_total".
 GAUGES = (
@@ -81,18 +98,45 @@ class EngineStatsCollector(Collector):
 class ServerMetrics:
     """The server's registry: engine-state collector plus request-latency histograms."""
 
-    def __init__(self, model_name: str, get_stats: Callable[[], dict]):
+    def __init__(self, model_name: str, get_stats: Callable[[], dict], max_model_len: int = 4096):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(get_stats, model_name))
 
-        def histogram(name: str, what: str, buckets: tuple[float, ...]) -> Histogram:
-            doc = f"Histogram of {what} in seconds."
+        def histogram(name: str, what: str, buckets: tuple[float, ...], unit: str = " in seconds") -> Histogram:
+            doc = f"Histogram of {what}{unit}."
             return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(model_name)
 
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "time to first token", TTFT_BUCKETS)
         self.inter_token_latency = histogram("vllm:inter_token_latency_seconds", "inter-token latency", ITL_BUCKETS)
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds", "e2e request latency", E2E_BUCKETS)
+        # A request's phases (vLLM's): queued from arrival to its first scheduling, prefill from
+        # then to its first token, decode from there to its last; inference is prefill + decode.
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds", "time spent in WAITING phase for request", REQUEST_TIME_BUCKETS
+        )
+        self.request_prefill_time = histogram(
+            "vllm:request_prefill_time_seconds", "time spent in PREFILL phase for request", REQUEST_TIME_BUCKETS
+        )
+        self.request_decode_time = histogram(
+            "vllm:request_decode_time_seconds", "time spent in DECODE phase for request", REQUEST_TIME_BUCKETS
+        )
+        self.request_inference_time = histogram(
+            "vllm:request_inference_time_seconds", "time spent in RUNNING phase for request", REQUEST_TIME_BUCKETS
+        )
+        tokens = one_two_five_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "number of prefill tokens processed", tokens, unit=""
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "number of generation tokens processed", tokens, unit=""
+        )
+        self.request_params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "the max_tokens request parameter", tokens, unit=""
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "number of tokens per engine_step", ITERATION_TOKEN_BUCKETS, unit=""
+        )
         self._request_success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",

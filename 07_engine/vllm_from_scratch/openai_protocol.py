@@ -1,21 +1,27 @@
 """The OpenAI wire format the server speaks: request models and error bodies.
 
 The models check the JSON's *shape*; its *values* are the engine's to judge (``SamplingParams``
-and ``LLMEngine.make_request``), so each rule is written once. Fields the OpenAI API defines but
-this engine cannot honour (``n > 1``, ``logprobs``, penalties, tools, ...) are refused with a 400
-naming the field, not silently ignored: a client that asks for three samples and gets one has a
-bug it cannot see.
+and ``LLMEngine.make_request``), so each rule is written once. No field is silently ignored:
+every field OpenAI's or vLLM's API defines is listed once (:data:`COMPLETION_FIELDS`,
+:data:`CHAT_FIELDS`); a ``SamplingParams`` field passes straight to the engine, one the engine
+cannot honour (``n > 1``, ``logprobs``, tools, ...) is refused with a 400 naming it unless it
+asks for nothing, and a field no API defines is refused too: a client that asks for three
+samples and gets one, or misspells ``temperature``, has a bug it cannot see.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.types import FailFast
 from typing_extensions import TypeAliasType, TypeIs
+
+from vllm_from_scratch.sampling_params import SamplingParams
 
 
 class APIError(Exception):
@@ -69,47 +75,200 @@ FirstErrorList = TypeAliasType("FirstErrorList", Annotated[list[T], FailFast()],
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: usage in every chunk (refused below)
+
+
+# ---- every request field OpenAI's API or vLLM's server defines, written once ------------------
+#
+# Each known field maps to the values that mean "this feature is not asked for" (None, an
+# explicit JSON null, always does: SDKs that send every field send nulls). A field is then one of:
+#   * handled by the server itself: declared on the models below (``model``, ``stream``, ...);
+#   * a ``SamplingParams`` field: passed straight to the engine, whose own checks judge it, so a
+#     field the engine gains (``min_p``, penalties, ...) is accepted with no edit here;
+#   * neither: *known but not supported*; a value other than its neutral ones is a 400 naming it.
+# Anything not listed is a 400 too: a misspelt ``temprature`` must not sample at temperature 1.
+# Sources: OpenAI's ``completions.create`` / ``chat.completions.create`` parameters and vLLM's
+# ``CompletionRequest`` / ``ChatCompletionRequest`` (``vllm/entrypoints/openai/protocol.py``).
+SHARED_FIELDS: dict[str, tuple[Any, ...]] = {
+    # OpenAI
+    "model": (),
+    "temperature": (),
+    "top_p": (),
+    "max_tokens": (),
+    "stop": (),
+    "seed": (),
+    "stream": (),
+    "stream_options": (),
+    "n": (1,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "logit_bias": ({},),
+    "logprobs": (),
+    "user": (),
+    # vLLM's sampling parameters (its "extra body")
+    "top_k": (),
+    "min_p": (0.0,),
+    "repetition_penalty": (1.0,),
+    "length_penalty": (1.0,),
+    "use_beam_search": (False,),
+    "stop_token_ids": (),
+    "ignore_eos": (),
+    "min_tokens": (0,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),  # the engine's detokenizer does skip them
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "prompt_logprobs": (),
+    "echo": (False,),
+    "add_special_tokens": (),
+    "response_format": ({"type": "text"},),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "structured_outputs": (),
+    "priority": (),
+    "request_id": (),
+    "logits_processors": (),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "vllm_xargs": (),
+}
+COMPLETION_FIELDS: dict[str, tuple[Any, ...]] = {
+    **SHARED_FIELDS,
+    "prompt": (),
+    "best_of": (1,),
+    "suffix": ("",),
+    "prompt_embeds": (),
+}
+CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
+    **SHARED_FIELDS,
+    "messages": (),
+    "max_completion_tokens": (),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True,),
+    "functions": ([],),
+    "function_call": ("none",),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "metadata": (),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "web_search_options": (),
+    "prompt_cache_key": (),
+    "prompt_cache_retention": (),
+    "prompt_cache_options": (),
+    "moderation": (),
+    "safety_identifier": (),
+    "include_reasoning": (True,),
+    "add_generation_prompt": (),
+    "continue_final_message": (),
+    "documents": (),
+    "chat_template": (),
+    "chat_template_kwargs": (),
+    "mm_processor_kwargs": (),
+}
+# SamplingParams fields whose effect shows in the *response* (more choices, logprobs, the
+# prompt echoed): passing them to the engine is not enough, the server has to render them, so
+# they are never passed through by name alone.
+RESPONSE_FIELDS = frozenset({"n", "best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo"})
+# Fields that only identify the caller to the provider (OpenAI's abuse monitoring): accepting
+# them with no effect on the output is what they mean.
+IDENTIFYING_FIELDS = frozenset({"user", "safety_identifier"})
+
+
+def engine_fields(known: Iterable[str]) -> frozenset[str]:
+    """The request fields that pass straight into ``SamplingParams``: those of its dataclass
+    fields an API defines, less :data:`RESPONSE_FIELDS`. Read from the class each time, so a
+    field added to ``SamplingParams`` is accepted at once."""
+    return frozenset({f.name for f in dataclasses.fields(SamplingParams)} & set(known)) - RESPONSE_FIELDS
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """``value`` asks for nothing: null, or one of the field's neutral values (``1`` equals
+    ``1.0``, but ``true`` never equals ``1``)."""
+    if value is None:
+        return True
+    for n in neutral:
+        if isinstance(value, bool) or isinstance(n, bool):
+            if isinstance(value, bool) and isinstance(n, bool) and value == n:
+                return True
+        elif value == n:
+            return True
+    return False
 
 
 class _SamplingFields(BaseModel):
-    """Fields both endpoints share; ``model_config`` lets unknown fields through, as vLLM does."""
+    """Fields both endpoints share. Every other field is kept (``extra="allow"``) and judged by
+    :meth:`check_supported` against :attr:`KNOWN_FIELDS`: passed to the engine, or refused by name.
+
+    A field typed ``X | None`` takes an explicit null as "the default".
+    """
 
     model_config = ConfigDict(extra="allow")
+    KNOWN_FIELDS: ClassVar[dict[str, tuple[Any, ...]]] = SHARED_FIELDS
 
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
     stop: str | FirstErrorList[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, Any] | None = None  # refused whatever it holds
     user: str | None = None
     # vLLM's extra body fields (the openai client sends them with extra_body=).
     top_k: int | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = None
     stop_token_ids: FirstErrorList[int] | None = None
-    priority: int = 0  # lower first, with the server's --scheduling-policy priority
+    priority: int | None = None  # lower first, with the server's --scheduling-policy priority
+    request_id: str | None = None  # vLLM's: the response's id (and the engine's), else random
     if TYPE_CHECKING:
         # Each endpoint declares its own, with its own default and place in the field order (the
         # order validation errors are listed in).
         max_tokens: int | None
 
     def check_supported(self) -> None:
-        """Refuse what the engine cannot do, naming the field (400)."""
-        if self.n != 1:
-            raise APIError(f"n={self.n} is not supported: this server returns one choice (n=1)", param="n")
-        if self.presence_penalty or self.frequency_penalty:
-            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            raise APIError(f"{param} is not supported by this engine", param=param)
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported by this engine", param="logit_bias")
+        """Refuse what the engine cannot do, naming the field (400): a field no API defines, and
+        a known one the engine does not implement set to anything but its neutral value (so
+        ``n`` other than 1, penalties and ``logit_bias`` until ``SamplingParams`` has them)."""
+        extra = self.model_extra or {}
+        for name in extra:
+            if name not in self.KNOWN_FIELDS:
+                raise APIError(
+                    f"unknown field: {name} (neither OpenAI's nor vLLM's API defines it)",
+                    param=name,
+                    code="unknown_field",
+                )
+        handled = set(type(self).model_fields) | engine_fields(self.KNOWN_FIELDS) | IDENTIFYING_FIELDS
+        for name, value in self.given_fields().items():
+            if name not in handled and not _is_neutral(value, self.KNOWN_FIELDS[name]):
+                raise APIError(f"not supported by this engine: {name}={value!r}", param=name, code="unsupported_field")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise APIError(
+                "not supported by this engine: stream_options.continuous_usage_stats", param="stream_options"
+            )
+
+    def given_fields(self) -> dict[str, Any]:
+        """Every field the body set (declared or not), with its value; nulls included."""
+        given = {name: getattr(self, name) for name in self.model_fields_set if name in type(self).model_fields}
+        return {**given, **(self.model_extra or {})}
 
     @property
     def include_usage(self) -> bool:
@@ -124,39 +283,35 @@ class _SamplingFields(BaseModel):
         """The body field each engine argument came from, where the names differ."""
         return {}
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``SamplingParams``; unset fields keep the engine's defaults
-        (``max_tokens`` None: up to the context left)."""
-        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
-        kwargs: dict[str, Any] = {k: v for k, v in optional.items() if v is not None}
-        kwargs.update(max_tokens=self.requested_max_tokens, ignore_eos=self.ignore_eos)
-        if self.stop:
-            kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        if self.stop_token_ids:
-            kwargs["stop_token_ids"] = list(self.stop_token_ids)
+    def sampling_kwargs(self, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Keyword arguments for ``SamplingParams``: every field the body set to something other
+        than null that ``SamplingParams`` has (:func:`engine_fields`), else ``defaults`` (the
+        model's ``generation_config.json``, as vLLM applies it), else the engine's own defaults.
+        ``max_tokens`` None: up to the context left; a default ``max_tokens`` caps it."""
+        given = self.given_fields()
+        kwargs: dict[str, Any] = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
+        for name in engine_fields(self.KNOWN_FIELDS):
+            if given.get(name) is not None:
+                kwargs[name] = given[name]
+        if isinstance(kwargs.get("stop"), str):
+            kwargs["stop"] = [kwargs["stop"]]
+        max_tokens, cap = self.requested_max_tokens, (defaults or {}).get("max_tokens")
+        kwargs["max_tokens"] = cap if max_tokens is None else min(max_tokens, cap) if cap is not None else max_tokens
         return kwargs
 
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: a prompt (text or token ids, one or a batch) to continue."""
 
+    KNOWN_FIELDS: ClassVar[dict[str, tuple[Any, ...]]] = COMPLETION_FIELDS
+
     prompt: str | FirstErrorList[int] | FirstErrorList[str] | FirstErrorList[FirstErrorList[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
 
     def check_supported(self) -> None:
+        """The shared checks, which judge every field by this endpoint's table: ``logprobs``,
+        ``echo``, ``best_of`` other than 1 and a ``suffix`` are refused there too."""
         super().check_supported()
-        if self.logprobs is not None:
-            raise APIError("logprobs is not supported by this engine", param="logprobs")
-        if self.echo:
-            raise APIError("echo is not supported by this engine", param="echo")
-        if self.best_of not in (None, 1):
-            raise APIError(f"best_of={self.best_of} is not supported (only 1)", param="best_of")
-        if self.suffix:
-            raise APIError("suffix is not supported by this engine", param="suffix")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of single prompts (OpenAI allows four shapes)."""
@@ -176,7 +331,7 @@ def _is_token_ids(prompt: list[int] | list[str] | list[list[int]]) -> TypeIs[lis
 
 
 class ChatMessage(BaseModel):
-    """One entry of ``messages``; fields this server does not read (``name``, ...) pass through."""
+    """One entry of ``messages``; its other fields (``name``, ...) are handed to the chat template."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -195,26 +350,24 @@ class ChatMessage(BaseModel):
         return "".join(str(part.get("text", "")) for part in self.content)
 
 
+def message_dicts(messages: Iterable[ChatMessage]) -> list[dict[str, Any]]:
+    """``messages`` as the chat template takes them. A message's other fields (``name``,
+    ``tool_call_id``, ...) go to the template, which decides what they mean, as in vLLM."""
+    return [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in messages]
+
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
+
+    KNOWN_FIELDS: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_FIELDS
 
     messages: FirstErrorList[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: FirstErrorList[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.logprobs or self.top_logprobs is not None:
-            raise APIError("logprobs is not supported by this engine", param="logprobs")
-        if self.tools:
-            raise APIError("tools are not supported by this engine", param="tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise APIError("response_format other than text is not supported", param="response_format")
+    # vLLM's chat-template controls, handed to the one chat rendering (chat_utils.render_chat).
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -228,8 +381,55 @@ class ChatCompletionRequest(_SamplingFields):
             names["max_tokens"] = "max_completion_tokens"
         return names
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def chat_options(self) -> dict[str, Any]:
+        """``render_chat``'s keyword arguments (null: vLLM's defaults)."""
+        return {
+            # Unset beside continue_final_message: off, as the two cannot both hold.
+            "add_generation_prompt": self.add_generation_prompt is not False
+            and ("add_generation_prompt" in self.model_fields_set or not self.continue_final_message),
+            "continue_final_message": bool(self.continue_final_message),
+            "chat_template_kwargs": self.chat_template_kwargs,
+        }
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return message_dicts(self.messages)
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` with a ``prompt``; any other field is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` with ``messages``, rendered as ``/v1/chat/completions`` renders them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    messages: FirstErrorList[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: ``tokens`` back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: FirstErrorList[int]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import argparse
 import ipaddress
 import logging
 import os
-from pathlib import Path
+from typing import Any
 
 from vllm_from_scratch.config import EngineConfig
 
@@ -25,10 +25,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "model", nargs="?", help="Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)"
     )
+    parser.add_argument("--model", dest="model_option", metavar="MODEL", help="the same, as vLLM also spells it")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
     parser.add_argument(
-        "--served-model-name", default=None, help="the name clients pass as `model` (default: the directory's name)"
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as `model` (default: the model argument as given, as vLLM names it)",
+    )
+    parser.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for fields a request leaves unset: 'auto' reads the model's "
+        "generation_config.json, 'vllm' uses the engine's own defaults, or a directory holding "
+        "a generation_config.json (default: %(default)s)",
     )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.add_argument(
@@ -45,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args(argv)
+    if args.model and args.model_option and args.model != args.model_option:
+        parser.error(f"two models given: {args.model!r} and --model {args.model_option!r}")
+    args.model = args.model or args.model_option
     if args.api_key == "":
         parser.error("--api-key is empty (an unset shell variable?); leave the flag out to serve without a key")
     return args
@@ -55,6 +68,30 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """The id clients pass as ``model``: ``--served-model-name``, else the model argument as
+    given (vLLM's rule: ``vllm serve ./models/x`` serves ``./models/x``), else the default
+    model's name."""
+    from vllm_from_scratch.default_model import MODEL_NAME
+
+    return args.served_model_name or args.model or MODEL_NAME
+
+
+def sampling_defaults(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
+    """``--generation-config``'s sampling defaults, logged as vLLM logs them at start-up."""
+    from vllm_from_scratch.serving import generation_config_defaults
+
+    if args.generation_config == "vllm":
+        return {}
+    source = model_dir if args.generation_config == "auto" else args.generation_config
+    applied, pending = generation_config_defaults(source)
+    if applied:
+        log.info("default sampling parameters from %s/generation_config.json: %s", source, applied)
+    if pending:
+        log.warning("generation_config.json sets %s, which SamplingParams has no field for: not applied", pending)
+    return applied
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
@@ -89,9 +126,16 @@ def main(argv: list[str] | None = None) -> None:
             args.host,
             args.port,
         )
-    name = args.served_model_name or Path(model_dir).name
+    name = served_model_name(args)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    app = build_app(engine, name, tokenizer=tokenizer, api_key=api_key, max_request_bytes=args.max_request_bytes)
+    app = build_app(
+        engine,
+        name,
+        tokenizer=tokenizer,
+        api_key=api_key,
+        max_request_bytes=args.max_request_bytes,
+        default_sampling_params=sampling_defaults(args, model_dir),
+    )
     auth = "API key required" if api_key else "no API key"
     log.info("serving %s on http://%s:%d/v1 (%s)", model_dir, args.host, args.port, auth)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -8,9 +8,10 @@ loop that streams the other clients' tokens.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -22,7 +23,18 @@ from vllm_from_scratch.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from vllm_from_scratch.chat_utils import render_chat
 from vllm_from_scratch.engine import RequestOutput, encode_prompt
 from vllm_from_scratch.errors import ParameterError
-from vllm_from_scratch.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, now, random_id, usage
+from vllm_from_scratch.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    message_dicts,
+    now,
+    random_id,
+    usage,
+)
 from vllm_from_scratch.sampling_params import SamplingParams
 from vllm_from_scratch.streaming import SSE_DONE, collect_or_abort, sse, stream_events
 
@@ -44,6 +56,7 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
     def update(self, out: RequestOutput) -> None:
         self.text += out.new_text
@@ -51,6 +64,7 @@ class Choice:
         self.cached_tokens = out.num_cached_tokens or 0
         if out.finished:
             self.finish_reason = out.finish_reason
+            self.stop_reason = getattr(out, "stop_reason", None)
 
 
 def api_error(exc: ValueError, field_names: dict[str, str]) -> APIError:
@@ -65,7 +79,9 @@ class OpenAIServing:
     """``/v1/completions`` and ``/v1/chat/completions`` over an :class:`AsyncLLM`.
 
     ``tokenizer`` is the server's own instance, used from worker threads while the engine
-    thread uses the engine's. ``vocab_size`` and ``max_model_len`` are the engine's, for its
+    thread uses the engine's. ``default_sampling_params`` are the model's own sampling defaults
+    (:func:`generation_config_defaults`), for requests that leave a field unset.
+    ``vocab_size`` and ``max_model_len`` are the engine's, for its
     prompt checks. Bodies are prepared in :data:`PREPARE_WORKERS` threads at the lowest CPU
     priority (:func:`lowest_cpu_priority`): the requests already running come first.
     """
@@ -77,8 +93,10 @@ class OpenAIServing:
         tokenizer: PreTrainedTokenizerBase | None,
         max_model_len: int,
         vocab_size: int,
+        default_sampling_params: Mapping[str, Any] | None = None,
     ) -> None:
         self.llm = llm
+        self.default_sampling_params = dict(default_sampling_params or {})
         self.served_model_name = served_model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -101,19 +119,19 @@ class OpenAIServing:
         """The body's ``SamplingParams`` and its prompts' token ids, both checked by the engine's
         own code (:func:`engine.encode_prompt`); run in a worker thread."""
         try:
-            params = SamplingParams(**body.sampling_kwargs())
+            params = SamplingParams(**body.sampling_kwargs(self.default_sampling_params))
             if isinstance(body, ChatCompletionRequest):
-                prompts: list[str | list[int]] = [self.render_chat(body.conversation())]
+                prompts: list[str | list[int]] = [self.render_chat(body.conversation(), **body.chat_options())]
             else:
                 prompts = body.prompts()
             return params, [encode_prompt(self.tokenizer, p, self.vocab_size, self.max_model_len) for p in prompts]
         except ValueError as exc:
             raise api_error(exc, body.field_names) from exc
 
-    def render_chat(self, conversation: list[dict[str, str]]) -> list[int]:
+    def render_chat(self, conversation: list[dict[str, Any]], **options: Any) -> list[int]:
         # LLM.chat's rendering too (one source of truth); its ParameterError names "messages",
         # which prepare() turns into the 400.
-        return render_chat(self.tokenizer, conversation)[1]
+        return render_chat(self.tokenizer, conversation, **options)[1]
 
     async def start(
         self, base_id: str, prompts: list[list[int]], params: SamplingParams, body: OpenAIRequest
@@ -122,7 +140,7 @@ class OpenAIServing:
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
-                streams.append(await self.llm.add_request(f"{base_id}-{i}", ids, params, body.priority))
+                streams.append(await self.llm.add_request(f"{base_id}-{i}", ids, params, body.priority or 0))
         except BaseException as exc:
             for s in streams:
                 s.abort()
@@ -132,6 +150,49 @@ class OpenAIServing:
                 raise api_error(exc, body.field_names) from exc
             raise
         return streams
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's ``POST /tokenize``: a prompt (or messages, through the chat template) to token
+        ids, with ``count`` and ``max_model_len`` so a client can check that it fits."""
+        self.check_model(body.model)
+
+        def work() -> list[int]:
+            try:
+                if isinstance(body, TokenizeChatRequest):
+                    conversation = message_dicts(body.messages)
+                    text, ids = render_chat(
+                        self.tokenizer,
+                        conversation,
+                        add_generation_prompt=body.add_generation_prompt,
+                        continue_final_message=body.continue_final_message,
+                        chat_template_kwargs=body.chat_template_kwargs,
+                    )
+                    if body.add_special_tokens and self.tokenizer is not None:  # vLLM encodes it so
+                        ids = list(self.tokenizer.encode(text, add_special_tokens=True))
+                    return ids
+                if self.tokenizer is None:
+                    raise APIError("this checkpoint has no tokenizer", param="prompt")
+                return list(self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            except ValueError as exc:
+                raise api_error(exc, {}) from exc
+
+        tokens = await asyncio.get_running_loop().run_in_executor(self.executor, work)
+        result: dict[str, Any] = {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
+        strs = self.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs and self.tokenizer else None
+        result["token_strs"] = strs
+        return result
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's ``POST /detokenize``: token ids back to text (special tokens kept, as vLLM)."""
+        self.check_model(body.model)
+        bad = next((t for t in body.tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(f"tokens holds {bad}, outside the vocabulary [0, {self.vocab_size})", param="tokens")
+        if self.tokenizer is None:
+            raise APIError("this checkpoint has no tokenizer", param="tokens")
+        tokenizer = self.tokenizer
+        text = await asyncio.get_running_loop().run_in_executor(self.executor, tokenizer.decode, body.tokens)
+        return {"prompt": str(text)}
 
     async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
         """``POST /v1/completions``: one choice per prompt."""
@@ -147,7 +208,8 @@ class OpenAIServing:
         body.check_supported()
         params, prompts = await asyncio.get_running_loop().run_in_executor(self.executor, self.prepare, body)
         chat = isinstance(body, ChatCompletionRequest)
-        request_id = random_id("chatcmpl" if chat else "cmpl")
+        prefix = "chatcmpl" if chat else "cmpl"
+        request_id = f"{prefix}-{body.request_id}" if body.request_id else random_id(prefix)
         streams = await self.start(request_id, prompts, params, body)
         choices = [Choice(prompt_tokens=len(ids)) for ids in prompts]
         kind = ("chat.completion.chunk" if body.stream else "chat.completion") if chat else "text_completion"
@@ -159,7 +221,7 @@ class OpenAIServing:
         def content(c: Choice) -> dict[str, Any]:
             return {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text}
 
-        results = [choice(i, c.finish_reason, content(c)) for i, c in enumerate(choices)]
+        results = [choice(i, c.finish_reason, content(c), c.stop_reason) for i, c in enumerate(choices)]
         return JSONResponse({**header, "choices": results, "usage": total_usage(choices)})
 
     async def _events(
@@ -168,12 +230,14 @@ class OpenAIServing:
         chat = isinstance(body, ChatCompletionRequest)
 
         def chunk(i: int, text: str | None, finish_reason: str | None, role: bool = False) -> str:
+            # A chunk that finishes a choice reports its stop_reason (Choice.update saw it first).
+            stop = choices[i].stop_reason if finish_reason is not None else None
             if not chat:
-                return sse({**header, "choices": [choice(i, finish_reason, {"text": text})]})
+                return sse({**header, "choices": [choice(i, finish_reason, {"text": text}, stop)]})
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            return sse({**header, "choices": [choice(i, finish_reason, {"delta": delta})]})
+            return sse({**header, "choices": [choice(i, finish_reason, {"delta": delta}, stop)]})
 
         if chat:  # OpenAI's first chat chunk announces the role; content follows in later deltas.
             yield chunk(0, None, None, role=True)
@@ -184,9 +248,46 @@ class OpenAIServing:
         yield SSE_DONE
 
 
-def choice(index: int, finish_reason: str | None, content: dict[str, Any]) -> dict[str, Any]:
-    """One entry of ``choices``: ``content`` is ``{"text": ...}``, ``{"message": ...}`` or ``{"delta": ...}``."""
-    return {"index": index, **content, "logprobs": None, "finish_reason": finish_reason}
+def choice(
+    index: int, finish_reason: str | None, content: dict[str, Any], stop_reason: int | str | None = None
+) -> dict[str, Any]:
+    """One entry of ``choices``: ``content`` is ``{"text": ...}``, ``{"message": ...}`` or ``{"delta": ...}``.
+
+    ``stop_reason`` is vLLM's addition: the stop string or ``stop_token_ids`` entry that ended
+    the choice (None for EOS, a length stop, or while it runs)."""
+    return {"index": index, **content, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+# The generation_config.json keys vLLM reads as sampling defaults (ModelConfig's
+# get_diff_sampling_param), with the SamplingParams field each becomes.
+GENERATION_CONFIG_KEYS = {
+    "repetition_penalty": "repetition_penalty",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_config_defaults(model_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The sampling defaults in ``model_dir``'s ``generation_config.json``, as vLLM's default
+    ``--generation-config auto`` takes them: the keys of :data:`GENERATION_CONFIG_KEYS` that the
+    file sets (transformers' ``to_diff_dict``), renamed to ``SamplingParams`` fields.
+
+    Returns ``(applied, not_applicable)``: the second holds the keys ``SamplingParams`` has no
+    field for yet (they are applied, with no edit here, once it has). No file: two empty dicts.
+    """
+    from transformers import GenerationConfig
+
+    try:
+        config = GenerationConfig.from_pretrained(model_dir).to_diff_dict()
+    except OSError:  # no generation_config.json: the engine's own defaults
+        return {}, {}
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    found = {field: config[key] for key, field in GENERATION_CONFIG_KEYS.items() if config.get(key) is not None}
+    applied = {k: v for k, v in found.items() if k in fields}
+    return applied, {k: v for k, v in found.items() if k not in fields}
 
 
 def lowest_cpu_priority() -> None:

@@ -8,10 +8,13 @@ the chapter's own; see exercises/README.md for how your function is put in place
 from __future__ import annotations
 
 from vllm_from_scratch.openai_protocol import APIError, _SamplingFields
+from vllm_from_scratch.sampling_params import SamplingParams
 
 
 def check_supported_sampling(self) -> None:
-    """Refuse what the engine cannot do, naming the field (400).
+    """Refuse what the engine cannot do, naming the field (400): a field no API defines, and
+    a known one the engine does not implement set to anything but its neutral value (so
+    ``n`` other than 1, penalties and ``logit_bias`` until ``SamplingParams`` has them).
 
     Becomes ``_SamplingFields.check_supported`` (a method: ``self`` is the _SamplingFields).
     Call parent methods as ``Parent.method(self, ...)``, not ``super()``.
@@ -27,7 +30,8 @@ def check_supported_sampling(self) -> None:
 
 
 def check_supported_completion(self) -> None:
-    """Refuse completion fields the engine cannot honour (logprobs, echo, best_of, suffix)
+    """The shared checks, which judge every field by this endpoint's table: ``logprobs``,
+    ``echo``, ``best_of`` other than 1 and a ``suffix`` are refused there too.
 
     Becomes ``CompletionRequest.check_supported`` (a method: ``self`` is the CompletionRequest).
     Call parent methods as ``Parent.method(self, ...)``, not ``super()``.
