@@ -52,7 +52,11 @@ def test_hit_is_capped_so_last_token_is_recomputed():
     run_prefill(bm, a)
     table = list(a.block_table)
     bm.free(a)
-    assert bm.get_computed_blocks(Sequence(list(range(8)), BS)) == table[:1]
+    hits = bm.get_computed_blocks(Sequence(list(range(8)), BS))
+    assert hits == table[:1], (
+        f"an 8-token prompt whose 2 blocks are both cached hits only block 0 (max_hit_blocks), got {hits}: the "
+        "last prompt token must be recomputed, its logits give the first output token"
+    )
     assert bm.get_computed_blocks(Sequence(list(range(9)), BS)) == table[:2]
 
 
@@ -98,8 +102,15 @@ def test_freed_blocks_keep_hash_and_are_evicted_lru_tail_first():
     assert c.block_table == [table[3]]
     d = Sequence([600, 601], BS)
     assert bm.allocate_slots(d, 2)
-    assert d.block_table == [table[2]] and bm.num_evictions == 1
-    assert len(bm.get_computed_blocks(Sequence(list(range(13)), BS))) == 2
+    assert d.block_table == [table[2]] and bm.num_evictions == 1, (
+        f"reusing block {table[2]}, which still carried a hash, is an eviction: drop its hash from "
+        f"cached_block_hash_to_block and count it (num_evictions={bm.num_evictions})"
+    )
+    hits = bm.get_computed_blocks(Sequence(list(range(13)), BS))
+    assert len(hits) == 2, (
+        f"block {table[2]} now holds d's tokens, so the prompt's hits stop before it: got {hits}; a reused "
+        "block's old hash must not find it any more"
+    )
     bm.check_invariants()
 
 
@@ -120,15 +131,17 @@ def test_hash_collision_is_a_miss(monkeypatch):
     run_prefill(bm, a)
     assert bm.num_cached_blocks == 1  # every block has the same hash: only the first registers
     b = Sequence([50, 51, 52, 53, 54], BS)
-    assert bm.get_computed_blocks(b) == []  # same hash, other tokens: never wrong KV
+    hits = bm.get_computed_blocks(b)
+    assert hits == [], f"same hash, other tokens: a collision is a miss (compare the block's token ids), got {hits}"
     assert bm.get_computed_blocks(Sequence(list(range(5)), BS)) == a.block_table[:1]
 
 
 def test_cache_salt_isolates_tenants():
     bm = PrefixCachingBlockManager(16, BS)
     run_prefill(bm, Sequence(list(range(9)), BS, cache_salt="tenant-a"))
-    assert bm.get_computed_blocks(Sequence(list(range(9)), BS, cache_salt="tenant-b")) == []
-    assert bm.get_computed_blocks(Sequence(list(range(9)), BS)) == []
+    for other in ("tenant-b", None):
+        hits = bm.get_computed_blocks(Sequence(list(range(9)), BS, cache_salt=other))
+        assert hits == [], f"cache_salt={other!r} hit tenant-a's blocks {hits}: the extra keys enter the hash"
     assert len(bm.get_computed_blocks(Sequence(list(range(9)), BS, cache_salt="tenant-a"))) == 2
 
 
@@ -137,7 +150,7 @@ def test_lora_id_enters_every_block_hash():
     b.lora_id = 3
     bm = PrefixCachingBlockManager(16, BS)
     ha, hb = bm.block_hashes(a), bm.block_hashes(b)
-    assert len(ha) == 2 and all(x != y for x, y in zip(ha, hb))
+    assert len(ha) == 2 and all(x != y for x, y in zip(ha, hb)), "the LoRA id enters every block's hash"
 
 
 def test_hashes_are_stable_across_processes():

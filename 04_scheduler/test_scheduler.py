@@ -225,7 +225,10 @@ def test_fcfs_preempts_the_newest_and_requeues_it_at_the_head():
     step(s)
     b = s.requests["b"]
     out, _ = step(s)
-    assert [r.request_id for r in out.preempted_requests] == ["b"] and scheduled(out) == [("a", 1)]
+    preempted = [r.request_id for r in out.preempted_requests]
+    assert preempted == ["b"] and scheduled(out) == [("a", 1)], (
+        f"FCFS preempts the most recently admitted request (the end of self.running), b; preempted {preempted}"
+    )
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and not b.block_table
     assert b.num_preemptions == 1 and s.num_preemptions == 1
     assert list(s.waiting) == [b] and b not in s.running  # head of the queue, in one place only
@@ -259,7 +262,11 @@ def test_priority_preempts_least_important_latest_arrival():
     out, _ = step(s)
     assert [r.request_id for r in out.scheduled_requests] == ["high", "low_old", "low_new"]  # queue order
     out, _ = step(s)  # every request needs its second block; none is free
-    assert [r.request_id for r in out.preempted_requests] == ["low_new", "low_old"]
+    preempted = [r.request_id for r in out.preempted_requests]
+    assert preempted == ["low_new", "low_old"], (
+        f"a larger priority value is less important, and of equal priorities the later arrival goes first: "
+        f"expected low_new then low_old, preempted {preempted}"
+    )
     assert scheduled(out) == [("high", 1)]
     assert [r.request_id for r in s.waiting] == ["low_old", "low_new"]
 
@@ -404,7 +411,9 @@ def test_prefix_hits_count_as_computed_and_last_token_is_recomputed():
     s.add_request(Request("longer", list(range(14)), max_tokens=1, block_size=BS))
     out = s.schedule()
     # "same" hits 2 of its 3 blocks (the last token is recomputed), "longer" hits all 3.
-    assert out.num_computed_tokens == {"same": 8, "longer": 12}
+    assert out.num_computed_tokens == {"same": 8, "longer": 12}, (
+        f"prefix hits are already computed: a request starts at its hit tokens, got {out.num_computed_tokens}"
+    )
     assert scheduled(out) == [("same", 4), ("longer", 2)]
     assert s.requests["longer"].num_cached_tokens == 12
     s.update_from_output(out, {"same": [1], "longer": [1]})
