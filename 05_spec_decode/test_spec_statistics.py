@@ -66,14 +66,21 @@ def test_total_variation_at_large_sample(sampled):
     for j in range(K + 1):
         emitted = out[:, j][out[:, j] >= 0][: SAMPLE_SIZES[-1]]
         tv = 0.5 * (_hist(emitted) - p[j].double()).abs().sum().item()
-        assert tv < TV_TOL, f"position {j}: TV {tv:.4f} >= {TV_TOL}"
+        assert tv < TV_TOL, (
+            f"position {j}: the emitted tokens are {tv:.4f} (total variation) from the target p, tolerance "
+            f"{TV_TOL}: accept draft x with probability min(1, p(x) / q(x)) and, after a rejection, resample "
+            "from normalize(max(p - q, 0)), not from p"
+        )
 
 
 def test_first_position_acceptance_is_sum_of_min(sampled):
     p, q, _, _, out = sampled
     accepted = (num_accepted_tokens(out) >= 1).double().mean().item()
     expected = torch.minimum(p[0], q[0]).sum().item()
-    assert abs(accepted - expected) < ACCEPT_TOL, (accepted, expected)
+    assert abs(accepted - expected) < ACCEPT_TOL, (
+        f"the first draft was accepted {accepted:.3f} of the time, expected sum(min(p, q)) = {expected:.3f}: "
+        "accept while u * q(x) < p(x)"
+    )
     # With independent positions the mean tokens per step is 1 + a0 + a0*a1.
     a = torch.minimum(p[:K], q).sum(-1)
     emitted = (out >= 0).sum(1).double().mean().item()
@@ -85,8 +92,11 @@ def test_accepted_prefix_is_the_draft(sampled):
     n_acc = num_accepted_tokens(out)
     for j in range(K):
         rows = n_acc > j
-        assert torch.equal(out[rows, j], draft[rows, j])
-    assert ((out >= 0).sum(1) == n_acc + 1).all()
+        assert torch.equal(out[rows, j], draft[rows, j]), f"position {j}: an accepted token is the draft itself"
+    assert ((out >= 0).sum(1) == n_acc + 1).all(), (
+        "each row emits its accepted drafts plus exactly one more token (the resampled or the bonus one), "
+        "and only the drafts before the first rejection count as accepted"
+    )
 
 
 def test_the_test_detects_a_wrong_resampling_rule():
