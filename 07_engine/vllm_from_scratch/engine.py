@@ -32,11 +32,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from block_manager import BlockManager
-from scheduler import Request, RequestStatus, Scheduler
+from prefix_block_manager import PrefixCachingBlockManager
+from scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from sequence import Sequence
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.distributed import make_executor
 from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.model_runner import ModelRunner
+from vllm_from_scratch.outputs import Logprob
+from vllm_from_scratch.sampler import LogprobsLists
 from vllm_from_scratch.sampling_params import SamplingParams, check_int
 from vllm_from_scratch.step_trace import StepTracer
 
@@ -65,6 +69,9 @@ class RequestOutput:
     ``num_cached_tokens`` are prompt tokens that were not computed (prefix-cache hits).
     ``stop_reason`` says which stop ended a "stop": the stop string or the ``stop_token_ids``
     entry that matched, or None for EOS (and while running), as vLLM's ``CompletionOutput``.
+    ``logprobs`` (one dict per generated token so far: the last ``len(new_token_ids)`` are
+    this step's), ``cumulative_logprob`` and ``prompt_logprobs`` are vLLM's, None unless the
+    request's ``SamplingParams`` asked for them.
     """
 
     request_id: str
@@ -77,6 +84,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class IncrementalDetokenizer:
@@ -139,6 +149,18 @@ class EngineRequest(Request):
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_token_ids)
         self.text = ""  # the decoded output, cut at a stop string
         self.num_text_sent = 0
+        # vLLM's logprob results, filled step by step (engine.fold_logprobs); None: not asked.
+        self.logprobs: list[dict[int, Logprob]] | None = None if params.logprobs is None else []
+        self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            None if params.prompt_logprobs is None else [None] * len(self.prompt_token_ids)
+        )
+
+    @property
+    def recomputes_prompt(self) -> bool:
+        """Whether prefix-cache hits must be refused: ``prompt_logprobs`` needs the logits of
+        every prompt position, which a hit would skip."""
+        return self.prompt_logprobs is not None
 
     def __getstate__(self) -> dict:
         # Requests are pickled to tensor-parallel workers every step; they only build inputs
@@ -146,6 +168,8 @@ class EngineRequest(Request):
         # holds the whole tokenizer) and the seeded generator (5 KB of state each).
         state = self.__dict__.copy()
         state["detokenizer"] = state["generator"] = None
+        # So are the logprob results (workers read what to score from sampling_params).
+        state["logprobs"] = state["prompt_logprobs"] = None
         return state
 
 
@@ -204,6 +228,20 @@ def _load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase | None:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+class EnginePrefixCachingBlockManager(PrefixCachingBlockManager):
+    """Chapter 03's prefix cache, refusing hits to requests that score their prompt.
+
+    ``prompt_logprobs`` needs the logits of every prompt position, and a hit skips computing
+    them; such a request recomputes its whole prompt (its blocks still enter the cache for
+    others), as vLLM V1's ``KVCacheManager.get_computed_blocks`` does.
+    """
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        if getattr(seq, "recomputes_prompt", False):
+            return []
+        return super().get_computed_blocks(seq)
+
+
 class LLMEngine:
     """The engine behind ``LLM`` and the OpenAI server.
 
@@ -244,15 +282,12 @@ class LLMEngine:
 
     def _make_block_manager(self, num_blocks: int) -> BlockManager:
         if self.config.enable_prefix_caching:
-            from prefix_block_manager import PrefixCachingBlockManager
-
-            return PrefixCachingBlockManager(num_blocks, self.config.kvcache_block_size)
+            return EnginePrefixCachingBlockManager(num_blocks, self.config.kvcache_block_size)
         return BlockManager(num_blocks, self.config.kvcache_block_size)
 
     def _make_kv_connector(self) -> KVConnectorScheduler | None:
         if self.config.kv_transfer is None:
             return None
-        from prefix_block_manager import PrefixCachingBlockManager
         from vllm_from_scratch.kv_connector import KVConnectorScheduler
 
         assert isinstance(self.block_manager, PrefixCachingBlockManager), "the config requires prefix caching"
@@ -329,17 +364,26 @@ class LLMEngine:
     def _check_sampling_support(self, params: SamplingParams) -> None:
         """What :meth:`SamplingParams.validate` cannot know: the vocabulary, and which fields
         speculative decoding cannot honour (penalties and ``min_tokens`` change with each
-        position, and drafts score several positions in one row set)."""
+        position, and logprobs would be needed for every accepted draft)."""
         vocab = self.config.vocab_size
         bad = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad:
             raise ParameterError("logit_bias", f"holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                raise ParameterError(name, f"must be at most the vocabulary size ({vocab}), got {k}")
+        if self.config.kv_transfer is not None and params.prompt_logprobs is not None:
+            # Blocks loaded from the pool skip their prompt positions, as prefix-cache hits would.
+            raise ParameterError("prompt_logprobs", "is not supported with a KV pool (kv_transfer_config)")
         if self.config.speculative is not None:
             for name, off in (
                 ("presence_penalty", 0.0),
                 ("frequency_penalty", 0.0),
                 ("repetition_penalty", 1.0),
                 ("min_tokens", 0),
+                ("logprobs", None),
+                ("prompt_logprobs", None),
             ):
                 if getattr(params, name) != off:
                     raise ParameterError(name, "is not supported with speculative decoding (speculative_config)")
@@ -391,6 +435,7 @@ class LLMEngine:
         num_tokens_before = {r.request_id: r.num_tokens for r in sched.sampling_requests}
         sampled = self.executor.call("execute_model", sched)
         self.scheduler.update_from_output(sched, sampled)
+        self._fold_logprobs(sched)
         for req in sched.sampling_requests:
             if req.request_id in self.requests:  # not aborted while the forward ran
                 outputs.append(
@@ -401,6 +446,36 @@ class LLMEngine:
         if self.tracer is not None:
             self.tracer.on_step(sched, sampled, outputs, start, time.perf_counter() - start)
         return outputs
+
+    def _fold_logprobs(self, sched: SchedulerOutput) -> None:
+        """Add the step's logprobs to their requests: one dict per sampled token, and prompt
+        positions by index (a preempted request that recomputes its prompt rewrites them)."""
+        # Rank 0 samples and lives in this process under every executor: no collective needed.
+        sample, prompt = self.executor.runner.take_logprobs()
+        for rid, (first, lists) in prompt.items():
+            req = self.requests.get(rid)
+            if req is not None and req.prompt_logprobs is not None:
+                for j, entry in enumerate(self._logprob_dicts(lists)):
+                    req.prompt_logprobs[first + j] = entry
+        for rid, lists in sample.items():
+            req = self.requests.get(rid)
+            if req is None or req.logprobs is None or req.cumulative_logprob is None:
+                continue
+            req.logprobs.extend(self._logprob_dicts(lists))
+            req.cumulative_logprob += sum(row[0] for row in lists.logprobs)
+
+    def _logprob_dicts(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
+        """vLLM's ``{token_id: Logprob}`` per position: the scored token first, then the top
+        tokens (a scored token among them appears once)."""
+        decode = self._decode_token
+        return [
+            {t: Logprob(lp, rank, decode(t)) for t, lp, rank in zip(ids, lps, ranks)}
+            for ids, lps, ranks in zip(lists.token_ids, lists.logprobs, lists.ranks)
+        ]
+
+    def _decode_token(self, token_id: int) -> str | None:
+        """A token decoded alone, as vLLM's ``convert_ids_list_to_tokens`` does."""
+        return None if self.tokenizer is None else str(self.tokenizer.decode([token_id]))
 
     def _load_remote_kv(self, connector: KVConnectorScheduler) -> None:
         """Bring in the K/V the pool promised at the last admissions, before this step's forward:
@@ -480,6 +555,9 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             stop_reason=stop_reason,
+            logprobs=None if req.logprobs is None else list(req.logprobs),
+            cumulative_logprob=req.cumulative_logprob,
+            prompt_logprobs=req.prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ observation

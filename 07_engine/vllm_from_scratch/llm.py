@@ -235,11 +235,14 @@ class LLM:
                             token_ids=out.completion_token_ids,
                             finish_reason=out.finish_reason,
                             stop_reason=out.stop_reason,
+                            cumulative_logprob=out.cumulative_logprob,
+                            logprobs=out.logprobs,
                         )
                         results[i] = RequestOutput(
                             request_id=out.request_id,
                             prompt=prompts[i][0],
                             prompt_token_ids=requests[i].prompt_token_ids,
+                            prompt_logprobs=out.prompt_logprobs,
                             outputs=[completion],
                             finished=True,
                             num_cached_tokens=out.num_cached_tokens,

@@ -7,6 +7,8 @@ rejection sampler (07_engine/README.md, "Model runner").
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -14,7 +16,7 @@ from block_manager import cdiv
 from chunked_prefill import BatchInputs, SchedulerInfo, build_batch_inputs
 from kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
 from rejection_sampler_triton import rejection_sample_triton
-from scheduler import SchedulerOutput
+from scheduler import Request, SchedulerOutput
 from spec_decode import RejectionNoise, num_accepted_tokens, pad_draft_token_ids, rejection_sample
 from triton_setup import HAS_TRITON
 from vllm_from_scratch.config import EngineConfig
@@ -23,7 +25,15 @@ from vllm_from_scratch.kv_connector import BlockTransfer, KVConnectorWorker
 from vllm_from_scratch.layers.attention import Attention, AttentionMetadata
 from vllm_from_scratch.layers.prepacked import prepack_model
 from vllm_from_scratch.loader import get_model
-from vllm_from_scratch.sampler import Sampler, SamplingTensors, apply_logits_processors, exponential_noise
+from vllm_from_scratch.sampler import (
+    LogprobsLists,
+    Sampler,
+    SamplingTensors,
+    apply_logits_processors,
+    exponential_noise,
+    gather_logprobs,
+)
+from vllm_from_scratch.sampling_params import SamplingParams
 
 # Longest dummy prompt of the warm-up; a step at the token budget is several of them.
 WARM_UP_ROW = 256
@@ -51,6 +61,23 @@ def kv_cache_budget(total: int, free: int, activation_peak: int, utilization: fl
     return max(int(total * utilization) - (total - free) - activation_peak - graph_pool, 0)
 
 
+def _params(req: Request) -> SamplingParams:
+    """The engine schedules its own requests (``EngineRequest``), which carry sampling settings."""
+    return req.sampling_params  # type: ignore[attr-defined]
+
+
+@dataclass
+class PromptRows:
+    """Where one request's prompt is scored this step: the hidden states at ``flat_rows`` (of
+    the flat batch) predict prompt tokens ``first_position ...``, which are ``next_tokens``."""
+
+    request_id: str
+    first_position: int
+    flat_rows: list[int]
+    next_tokens: list[int]
+    num_logprobs: int
+
+
 class ModelRunner:
     """Owns the model weights, the KV cache and the sampler of one (tensor-parallel) rank:
     ``tp_rank`` in ``tp_group`` when ``config.tensor_parallel_size > 1``."""
@@ -76,6 +103,9 @@ class ModelRunner:
         for attn in self.attn_layers:
             attn.backend = config.attention_backend
         self.sampler = Sampler()
+        # The last step's log-probabilities, for the engine (take_logprobs).
+        self.sample_logprobs: dict[str, LogprobsLists] = {}
+        self.prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = {}
         # The Triton kernel on a GPU; the torch version (same noise, same tokens) elsewhere.
         self.rejection_sampler = (
             rejection_sample_triton if self.device.type == "cuda" and HAS_TRITON else rejection_sample
@@ -254,42 +284,115 @@ class ModelRunner:
             is_decode=batch.max_seqlen_q == 1,
         )
 
+    def _forward(self, batch: BatchInputs) -> torch.Tensor:
+        """Hidden states of every token of ``batch`` (through a decode graph when one fits)."""
+        md = self.attention_metadata(batch)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch.input_ids, md):
+            return self.graph_runner.run(batch.input_ids, batch.positions, md)
+        return self.model(batch.input_ids, batch.positions, md)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits of ``hidden``'s rows (None on ranks other than 0).
+
+        Every rank must call it with the same rows: under tensor parallelism it gathers the
+        vocabulary shards to rank 0, which alone samples.
+        """
+        # Every registered model defines compute_logits (models/__init__.py); mypy sees a Module attribute.
+        logits = self.model.compute_logits(hidden)  # type: ignore[operator]
+        return None if logits is None else logits.float()
+
     @torch.inference_mode()
     def compute_logits(self, batch: BatchInputs) -> torch.Tensor | None:
         """Forward ``batch``; float32 logits of its sampling rows (None on ranks other than 0)."""
-        md = self.attention_metadata(batch)
-        if self.graph_runner is not None and self.graph_runner.can_run(batch.input_ids, md):
-            hidden = self.graph_runner.run(batch.input_ids, batch.positions, md)
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, md)
-        # Every registered model defines compute_logits (models/__init__.py); mypy sees a Module attribute.
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # type: ignore[operator]
-        # Under tensor parallelism only rank 0 receives the gathered logits and samples.
-        return None if logits is None else logits.float()
+        return self._logits(self._forward(batch)[batch.logits_indices])
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
         """Run one scheduled step: ``{request_id: tokens}`` for every request that samples.
 
         ``tokens`` is one sampled token, or, after ``k`` drafts, the accepted drafts followed by
-        one recovered or bonus token. Ranks other than 0 return ``{}``.
+        one recovered or bonus token. Ranks other than 0 return ``{}``. The log-probabilities
+        that requests asked for wait in :meth:`take_logprobs` until the next step.
         """
+        self.sample_logprobs, self.prompt_logprobs = {}, {}
         info = SchedulerInfo.from_scheduler_output(scheduler_output)
-        logits = self.compute_logits(build_batch_inputs(info, self.block_size, self.device))
+        batch = build_batch_inputs(info, self.block_size, self.device)
+        hidden = self._forward(batch)
+        logits = self._logits(hidden[batch.logits_indices])
+        prompt_rows = self._prompt_logprob_rows(scheduler_output, info)
+        prompt_logits = self._logits(hidden[[i for r in prompt_rows for i in r.flat_rows]]) if prompt_rows else None
         if self.kv_worker is not None and scheduler_output.kv_connector_metadata is not None:
             self.kv_worker.save(scheduler_output.kv_connector_metadata.saves)
+        if prompt_logits is not None:  # before the return below: a mid-prompt chunk samples nothing
+            self._score_prompts(prompt_logits, prompt_rows)
         if logits is None or logits.shape[0] == 0:
             return {}
+        sampling_requests = [r for r, n in zip(scheduler_output.scheduled_requests, info.num_sample_rows) if n]
         sampling = SamplingTensors.from_requests(
             scheduler_output.scheduled_requests, info.num_sample_rows, logits.shape[-1], logits.device
         )
+        # vLLM V1 returns the raw distribution's logprobs: taken before the processors.
+        num_logprobs = [_params(r).logprobs for r in sampling_requests]
+        want = [i for i, k in enumerate(num_logprobs) if k is not None]
+        raw_logprobs = logits[want].log_softmax(dim=-1) if want else None
         logits = apply_logits_processors(logits, sampling)
         if any(info.num_spec):
             return self.verify_drafts(logits, sampling, info)
-        tokens = self.sampler(
-            logits, sampling.temperatures, sampling.top_ks, sampling.top_ps, sampling.generators
-        ).tolist()
-        return {rid: [t] for rid, t in zip(sampling.request_ids, tokens)}
+        sampled = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps, sampling.generators)
+        if raw_logprobs is not None:
+            lists = gather_logprobs(raw_logprobs, sampled[want], [num_logprobs[i] or 0 for i in want])
+            for j, i in enumerate(want):
+                self.sample_logprobs[sampling.request_ids[i]] = LogprobsLists(
+                    lists.token_ids[j : j + 1], lists.logprobs[j : j + 1], lists.ranks[j : j + 1]
+                )
+        return {rid: [t] for rid, t in zip(sampling.request_ids, sampled.tolist())}
+
+    @staticmethod
+    def _prompt_logprob_rows(scheduler_output: SchedulerOutput, info: SchedulerInfo) -> list[PromptRows]:
+        """The rows of each request in the batch that wants ``prompt_logprobs`` and feeds
+        prompt tokens this step.
+
+        The hidden state at position ``p`` predicts token ``p + 1``, so a chunk over positions
+        ``[start, end)`` scores prompt tokens ``start + 1 ...`` up to the prompt's last one.
+        Chunk by chunk, a long prompt is scored across steps (chunked prefill).
+        """
+        rows = []
+        for i, req in enumerate(scheduler_output.scheduled_requests):
+            k = _params(req).prompt_logprobs
+            if k is None:
+                continue
+            start = info.kv_len[i]
+            end = min(start + info.chunk_len[i], req.num_prompt_tokens - 1)
+            if end > start:
+                rows.append(
+                    PromptRows(
+                        req.request_id,
+                        start + 1,
+                        list(range(info.chunk_idx[i], info.chunk_idx[i] + end - start)),
+                        req.prompt_token_ids[start + 1 : end + 1],
+                        k,
+                    )
+                )
+        return rows
+
+    def _score_prompts(self, prompt_logits: torch.Tensor, rows: list[PromptRows]) -> None:
+        """Gather every prompt row's logprobs into ``prompt_logprobs`` (one call for the batch)."""
+        targets = torch.tensor([t for r in rows for t in r.next_tokens], device=prompt_logits.device)
+        ks = [r.num_logprobs for r in rows for _ in r.next_tokens]
+        lists = gather_logprobs(prompt_logits.log_softmax(dim=-1), targets, ks)
+        offset = 0
+        for r in rows:
+            end = offset + len(r.next_tokens)
+            self.prompt_logprobs[r.request_id] = (
+                r.first_position,
+                LogprobsLists(lists.token_ids[offset:end], lists.logprobs[offset:end], lists.ranks[offset:end]),
+            )
+            offset = end
+
+    def take_logprobs(self) -> tuple[dict[str, LogprobsLists], dict[str, tuple[int, LogprobsLists]]]:
+        """The last step's log-probabilities: ``{request_id: one position}`` for sampled tokens
+        and ``{request_id: (first prompt position, positions)}`` for prompt tokens (rank 0)."""
+        return self.sample_logprobs, self.prompt_logprobs
 
     def load_kv(self, transfers: list[BlockTransfer]) -> dict[str, int]:
         """Load blocks from the global KV pool into this rank's cache; ``{request_id: tokens}``

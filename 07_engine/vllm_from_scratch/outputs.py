@@ -20,6 +20,23 @@ _SHORTHAND = {"text": "completion", "token_ids": "completion", "num_cached_token
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability (vLLM's ``vllm.logprobs.Logprob``).
+
+    Args:
+        logprob: the natural-log probability under the model's raw distribution (vLLM V1's
+            default ``logprobs_mode``: before penalties, temperature, top-k and top-p).
+        rank: 1-based rank in that distribution: how many tokens are at least as likely.
+        decoded_token: the token decoded alone (``tokenizer.decode([id])``, as vLLM does);
+            None without a tokenizer.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One completion of a request (vLLM's fields; ``n`` > 1 would give several).
 
@@ -27,9 +44,11 @@ class CompletionOutput:
         index: which completion of the request this is (0 while ``n`` is 1).
         text: the generated text, cut before a stop string that ended it.
         token_ids: the generated token ids (a stop token that ended it included, as in vLLM).
-        cumulative_logprob: the sum of the sampled tokens' log-probabilities; None for now (the
-            engine does not return log-probabilities yet).
-        logprobs: per-token log-probabilities; None for now, as above.
+        cumulative_logprob: the sum of the sampled tokens' log-probabilities; None unless
+            ``SamplingParams.logprobs`` was set (as in vLLM).
+        logprobs: one dict per generated token, ``{token_id: Logprob}``: the sampled token and
+            the ``SamplingParams.logprobs`` most likely ones (``logprobs`` or ``logprobs + 1``
+            entries, as the sampled token is among them or not); None unless requested.
         finish_reason: "stop" (EOS, a stop token or a stop string), "length" (``max_tokens`` or
             ``max_model_len``) or "abort".
         stop_reason: the stop string or ``stop_token_ids`` entry that ended it; None for EOS,
@@ -40,7 +59,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, Any]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -57,7 +76,9 @@ class RequestOutput:
         request_id: the engine's id for the request.
         prompt: the prompt's text; None when it was given as token ids (as in vLLM).
         prompt_token_ids: the prompt's token ids, as the model saw them.
-        prompt_logprobs: per-prompt-token log-probabilities; None for now.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt token:
+            None for the first (nothing predicts it), then ``{token_id: Logprob}`` of that token
+            and the most likely ones at its position; None unless requested.
         outputs: the completions (one while ``n`` is 1).
         finished: whether the request has ended (always True from ``LLM.generate``).
         num_cached_tokens: prompt tokens that were not computed (prefix-cache hits).
@@ -70,7 +91,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: list[dict[int, Any] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int | None = None

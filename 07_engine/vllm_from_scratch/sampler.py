@@ -238,6 +238,39 @@ def apply_logits_processors(logits: torch.Tensor, sampling: SamplingTensors) -> 
     return logits
 
 
+@dataclass
+class LogprobsLists:
+    """Scored positions as Python lists: per position, the scored token first (the sampled one,
+    or the prompt's next token), then the most likely tokens, with their ids, log-probabilities
+    and 1-based ranks. Rows may hold fewer top tokens than others (each request its own k)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[list[int]]
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: Sequence[int]) -> LogprobsLists:
+    """vLLM V1's ``gather_logprobs`` for ``logprobs [N, V]`` (log-softmaxed) and ``token_ids [N]``.
+
+    Row ``i`` keeps its scored token then its ``num_logprobs[i]`` most likely tokens (one
+    ``topk`` for the batch, at the largest k). A token's rank counts the tokens at least as
+    likely as it (vLLM's ``batched_count_greater_than``: ``>=``), so the argmax has rank 1.
+    """
+    k = max(num_logprobs, default=0)
+    scored = logprobs.gather(-1, token_ids.unsqueeze(1))
+    ranks = (logprobs >= scored).sum(-1, keepdim=True)
+    top = logprobs.topk(k, dim=-1)
+    top_ranks = torch.arange(1, k + 1, device=logprobs.device).expand(len(token_ids), k)
+    ids = torch.cat([token_ids.unsqueeze(1), top.indices], dim=1).tolist()
+    values = torch.cat([scored, top.values], dim=1).tolist()
+    all_ranks = torch.cat([ranks, top_ranks], dim=1).tolist()
+    return LogprobsLists(
+        [row[: n + 1] for row, n in zip(ids, num_logprobs)],
+        [row[: n + 1] for row, n in zip(values, num_logprobs)],
+        [row[: n + 1] for row, n in zip(all_ranks, num_logprobs)],
+    )
+
+
 class Sampler:
     """Greedy, temperature, top-k and top-p sampling with optional per-row generators."""
 

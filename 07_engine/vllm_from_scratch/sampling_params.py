@@ -73,6 +73,11 @@ class SamplingParams:
         logit_bias: ``{token_id: bias}`` added to the logits; biases are clamped to [-100, 100]
             and string keys (JSON) read as ints, as vLLM's ``from_optional`` does. The engine
             checks the ids against the vocabulary.
+        logprobs: return the log-probability of each sampled token plus this many most likely
+            tokens' (vLLM V1: of the raw model distribution, before penalties, temperature,
+            top-k and top-p); None: none. >= 0.
+        prompt_logprobs: the same for every prompt token after the first; None: none. >= 0.
+            Such a request takes no prefix-cache hits: its prompt is recomputed to score it.
 
     Every rule lives in :meth:`validate`, which raises :class:`ParameterError` naming the field.
     """
@@ -91,6 +96,8 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -137,6 +144,9 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 check_int("logit_bias", token, 0)
                 check_float("logit_bias", bias, -100.0, 100.0)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 0)
 
     @property
     def uses_penalties(self) -> bool:

@@ -10,8 +10,16 @@ from __future__ import annotations
 import torch
 
 from chunked_prefill import BatchInputs, SchedulerInfo, build_batch_inputs
+from scheduler import Request, SchedulerOutput
 from spec_decode import RejectionNoise, num_accepted_tokens, pad_draft_token_ids, rejection_sample
-from vllm_from_scratch.sampler import Sampler, SamplingTensors, apply_logits_processors, exponential_noise
+from vllm_from_scratch.sampler import (
+    LogprobsLists,
+    Sampler,
+    SamplingTensors,
+    apply_logits_processors,
+    exponential_noise,
+    gather_logprobs,
+)
 
 
 def verify_drafts(self, logits: torch.Tensor, sampling: SamplingTensors, info: SchedulerInfo) -> dict[str, list[int]]:
