@@ -15,6 +15,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
@@ -227,6 +228,15 @@ def test_request_id_names_the_response(client, engine):
     body = client.post("/v1/completions", json={**BASES["/v1/completions"], "request_id": "abc"}).json()
     assert body["id"] == "cmpl-abc"
     assert list(engine.priorities) == ["cmpl-abc-0"]
+
+
+def test_priority_is_refused_where_the_engine_would_ignore_it(tokenizer):
+    engine = ScriptedEngine(tokenizer)
+    engine.config = SimpleNamespace(vocab_size=engine.vocab_size, scheduling_policy="fcfs")
+    with TestClient(build_app(engine, MODEL)) as c:
+        err = assert_error(c.post("/v1/completions", json={"prompt": "hi", "priority": 1}), 400, "priority")
+        assert "--scheduling-policy priority" in err["message"]
+        assert c.post("/v1/completions", json={"prompt": [10], "max_tokens": 1, "priority": 0}).status_code == 200
 
 
 def test_chat_template_controls_change_the_rendered_prompt(client, tokenizer):

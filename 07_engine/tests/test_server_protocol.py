@@ -39,7 +39,7 @@ class ScriptedEngine:
 
     max_model_len = 64
     vocab_size = 49152
-    config = SimpleNamespace(vocab_size=vocab_size)
+    config = SimpleNamespace(vocab_size=vocab_size, scheduling_policy="priority")
     tracer = None  # as an engine without step_trace: /viz adds its own tracer
 
     def __init__(self, tokenizer):

@@ -111,6 +111,7 @@ def build_app(
         engine.max_model_len,
         engine.config.vocab_size,
         default_sampling_params,
+        getattr(engine.config, "scheduling_policy", "fcfs"),
     )
 
     @asynccontextmanager

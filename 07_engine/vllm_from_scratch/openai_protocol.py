@@ -125,7 +125,6 @@ SHARED_FIELDS: dict[str, tuple[Any, ...]] = {
     "bad_words": ([],),
     "prompt_logprobs": (),
     "echo": (False,),
-    "add_special_tokens": (),
     "response_format": ({"type": "text"},),
     "guided_json": (),
     "guided_regex": (),
@@ -148,6 +147,7 @@ COMPLETION_FIELDS: dict[str, tuple[Any, ...]] = {
     "prompt": (),
     "best_of": (1,),
     "suffix": ("",),
+    "add_special_tokens": (True,),  # vLLM's default here: the tokenizer's BOS, as encode_prompt adds
     "prompt_embeds": (),
 }
 CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
@@ -176,6 +176,7 @@ CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
     "moderation": (),
     "safety_identifier": (),
     "include_reasoning": (True,),
+    "add_special_tokens": (False,),  # the template already wrote them
     "add_generation_prompt": (),
     "continue_final_message": (),
     "documents": (),

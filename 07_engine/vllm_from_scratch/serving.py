@@ -94,8 +94,10 @@ class OpenAIServing:
         max_model_len: int,
         vocab_size: int,
         default_sampling_params: Mapping[str, Any] | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.llm = llm
+        self.scheduling_policy = scheduling_policy
         self.default_sampling_params = dict(default_sampling_params or {})
         self.served_model_name = served_model_name
         self.tokenizer = tokenizer
@@ -206,6 +208,13 @@ class OpenAIServing:
         """Either endpoint: the two differ only in ids, object names and the body of a choice."""
         self.check_model(body.model)
         body.check_supported()
+        if body.priority and self.scheduling_policy != "priority":
+            # vLLM refuses it too: under fcfs a priority would be accepted and ignored.
+            raise APIError(
+                "priority is only honoured with --scheduling-policy priority; this server schedules "
+                f"{self.scheduling_policy}",
+                param="priority",
+            )
         params, prompts = await asyncio.get_running_loop().run_in_executor(self.executor, self.prepare, body)
         chat = isinstance(body, ChatCompletionRequest)
         prefix = "chatcmpl" if chat else "cmpl"
