@@ -41,7 +41,7 @@ def _reference(logits: list[float], params: SamplingParams, prompt: list[int], o
     for t, b in (params.logit_bias or {}).items():
         out[t] += b
     seen = set(prompt) | set(output)
-    for t in range(V):
+    for t in range(len(out)):
         if t in seen:
             out[t] = out[t] / params.repetition_penalty if out[t] > 0 else out[t] * params.repetition_penalty
         count = output.count(t)
@@ -179,6 +179,46 @@ def test_penalties_change_greedy_output_as_the_reference_says(llm):
     params = SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1e6)
     ids = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
     assert len(set(ids)) == len(ids) and not set(ids) & set(PROMPT), ids
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        dict(enable_prefix_caching=False, enable_chunked_prefill=False),
+        # Chunked prefill, prefix caching and a cache too small for the batch (preemption):
+        # the counts must follow each request's own tokens through all of it.
+        dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=16, num_kvcache_blocks=9),
+    ],
+    ids=["plain", "all"],
+)
+def test_greedy_with_every_processor_equals_a_transformers_loop(tiny_qwen3_dir, features):
+    """Each step's logits from transformers, through the per-row reference, then argmax."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (9, 21, 30)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10, frequency_penalty=1.5, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.7, logit_bias={7: 3.0}),
+        SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10, presence_penalty=-1.0, min_p=0.3),
+    ]
+    kwargs = dict(kvcache_block_size=8, num_kvcache_blocks=64, dtype="float32", device="cpu") | features
+    llm = LLM(tiny_qwen3_dir, **kwargs)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if "num_kvcache_blocks" in features:
+            assert llm.llm_engine.get_stats()["num_preemptions_total"] > 0, "the cache was meant to be too small"
+    finally:
+        llm.shutdown()
+    for prompt, sp, out in zip(prompts, params, outs):
+        expected: list[int] = []
+        with torch.no_grad():
+            for _ in range(len(out.outputs[0].token_ids)):
+                logits = hf(torch.tensor([prompt + expected])).logits[0, -1].tolist()
+                processed = _reference(logits, sp, prompt, expected)
+                expected.append(max(range(len(processed)), key=processed.__getitem__))
+        assert out.outputs[0].token_ids == expected, sp
 
 
 def test_speculative_decoding_refuses_penalties_and_min_tokens(tiny_llama_dir):
