@@ -273,6 +273,9 @@ def test_tokenize_a_prompt_and_messages(client, tokenizer):
     assert chat["token_strs"] == tokenizer.convert_ids_to_tokens(chat["tokens"])
     assert_error(client.post("/tokenize", json={"prompt": "hi", "tools": []}), 400, "tools")
     assert_error(client.post("/tokenize", json={"prompt": "hi", "model": "other"}), 404, "model")
+    for raw in (b'{"prompt": ', b"[1, 2]"):
+        assert_error(client.post("/tokenize", content=raw, headers={"content-type": "application/json"}), 400)
+    assert client.get("/health").status_code == 200
 
 
 def test_detokenize_round_trips(client, tokenizer):

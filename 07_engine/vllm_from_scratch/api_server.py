@@ -20,9 +20,9 @@ import hmac
 import importlib.metadata
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
@@ -142,9 +142,9 @@ def build_app(
         return {"object": "list", "data": [model]}
 
     @app.post("/tokenize", response_model=None)
-    async def tokenize(raw: Request) -> dict[str, Any]:
-        # Which of vLLM's two shapes: "messages" makes it a chat request.
-        body = await raw.json()
+    async def tokenize(body: Annotated[Any, Body()]) -> dict[str, Any]:
+        # FastAPI parses the JSON (its errors are the other routes' 400s); "messages" picks
+        # vLLM's chat shape.
         kind: type[BaseModel] = (
             TokenizeChatRequest if isinstance(body, dict) and "messages" in body else TokenizeCompletionRequest
         )
