@@ -149,11 +149,14 @@ class AsyncLLM:
             while True:
                 if not self._apply_commands(block=not self.engine.has_unfinished_requests()):
                     return
-                if self.engine.has_unfinished_requests():
+                stepped = self.engine.has_unfinished_requests()
+                if stepped:
                     step_start = time.perf_counter()
                     self._dispatch(self.engine.step(), step_start)
-                    self._observe_step(dict(self.engine.get_stats()))
-                self.stats = dict(self.engine.get_stats())
+                stats = dict(self.engine.get_stats())
+                if stepped:
+                    self._observe_step(stats)
+                self.stats = stats
         except BaseException as exc:  # noqa: BLE001 - any crash must reach the clients
             log.exception("engine loop died")
             self.error = exc
@@ -191,7 +194,7 @@ class AsyncLLM:
         self._streams[command.request_id] = command.stream
         self._unscheduled.add(command.request_id)
         # The max_tokens the engine resolved (None in the body: what the context leaves).
-        resolved = getattr(self.engine.requests.get(command.request_id), "max_tokens", None)
+        resolved = getattr(self._engine_requests.get(command.request_id), "max_tokens", None)
         command.stream.max_tokens = resolved if isinstance(resolved, int) else command.params.max_tokens
         _resolve(command.stream.loop, command.accepted, None)
 
@@ -210,7 +213,7 @@ class AsyncLLM:
         for request_id in list(self._unscheduled):
             # Scheduled in this step if it produced an output or the engine computed some of its
             # prompt (a chunked prefill's first chunk produces no output).
-            req = self.engine.requests.get(request_id)
+            req = self._engine_requests.get(request_id)
             if request_id in produced or getattr(req, "num_computed_tokens", 0) > 0:
                 self._unscheduled.discard(request_id)
                 if (stream := self._streams.get(request_id)) is not None:
@@ -230,6 +233,11 @@ class AsyncLLM:
                     if out.finish_reason != "abort":
                         self._observe_finished(stream, out)
             _push(stream, out)
+
+    @property
+    def _engine_requests(self) -> dict[str, Any]:
+        """The engine's live requests by id, read for timings only (empty if it keeps none)."""
+        return getattr(self.engine, "requests", None) or {}
 
     def _observe_finished(self, stream: _Stream, out: RequestOutput) -> None:
         """vLLM's per-request histograms, observed when the request finishes (as vLLM does)."""
