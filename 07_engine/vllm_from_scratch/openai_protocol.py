@@ -251,14 +251,15 @@ class _SamplingFields(BaseModel):
         for name in extra:
             if name not in self.KNOWN_FIELDS:
                 raise APIError(
-                    f"unknown field: {name} (neither OpenAI's nor vLLM's API defines it)",
+                    f"unknown field: {name} (neither OpenAI's nor vLLM's API defines it for this endpoint)",
                     param=name,
                     code="unknown_field",
                 )
         handled = set(type(self).model_fields) | engine_fields(self.KNOWN_FIELDS) | IDENTIFYING_FIELDS
         for name, value in self.given_fields().items():
             if name not in handled and not _is_neutral(value, self.KNOWN_FIELDS[name]):
-                raise APIError(f"not supported by this engine: {name}={value!r}", param=name, code="unsupported_field")
+                shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."  # a body may be big
+                raise APIError(f"not supported by this engine: {name}={shown}", param=name, code="unsupported_field")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
