@@ -11,7 +11,8 @@ reads. An exercise scores the fraction of its tests that passed; a test that fai
 stub's own ``NotImplementedError`` is reported as "not attempted". The chapter's other tests
 (property tests, demos: those no exercise lists) run too, with all of the chapter's exercises
 swapped in, and are reported on their own line per chapter, so a full score never hides code
-that breaks the rest of the chapter. ``--exercise-tests-only`` skips them (a quicker run).
+that breaks the rest of the chapter. Those marked slow (demos, chapter 07's end-to-end runs)
+only run with ``--slow``; ``--exercise-tests-only`` skips the other tests altogether.
 """
 
 from __future__ import annotations
@@ -73,16 +74,18 @@ def run_tests(
     exercises: list[ep.Exercise],
     impl: str,
     exercises_dir: Path | None,
-    timeout: float = 1200,
+    timeout: float = 3600,
     other_tests: bool = False,
+    slow: bool = False,
 ) -> dict[str, TestResult]:
     """Run the tests of ``exercises`` in one fresh pytest process; results keyed by node id.
 
-    With ``other_tests``, every test of their chapters runs, the unlisted ones included.
+    With ``other_tests``, every test of their chapters runs, the unlisted ones included (those
+    marked slow only with ``slow``).
     """
     if other_tests:
         paths = list(dict.fromkeys(ex.chapter + "/" for ex in exercises))
-        only = []
+        only = [] if slow else ["--skip-slow-unlisted"]
     else:
         # Test files plus --exercise (which deselects every other test), not node ids: pytest
         # gives up on the whole run when one named node cannot be collected.
@@ -161,16 +164,18 @@ def grade_all(
     chapters: list[str] | None = None,
     ids: list[str] | None = None,
     other_tests: bool = True,
+    slow: bool = False,
 ) -> tuple[list[ExerciseScore], list[OtherTests]]:
     """Scores of every exercise of ``chapters`` (all chapters with a registry by default; only
-    ``ids`` if given) and, with ``other_tests``, the results of their chapters' other tests."""
+    ``ids`` if given) and, with ``other_tests``, the results of their chapters' other tests (the
+    ones marked slow too if ``slow``)."""
     exercises = [
         ex for ex in ep.load_exercises() if (not chapters or ex.chapter in chapters) and (not ids or ex.id in ids)
     ]
     if not exercises:
         return [], []
     # One pytest run for all of them: torch and the chapters are imported once.
-    results = run_tests(exercises, impl, exercises_dir, other_tests=other_tests)
+    results = run_tests(exercises, impl, exercises_dir, other_tests=other_tests, slow=slow)
     return score(exercises, results), others(exercises, results) if other_tests else []
 
 
@@ -200,6 +205,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="skip the chapters' other tests (those no exercise lists): a quicker run",
     )
+    parser.add_argument(
+        "--slow",
+        action="store_true",
+        help="also run the other tests marked slow (the demos, chapter 07's end-to-end runs: many minutes)",
+    )
     parser.add_argument("--json", type=Path, help="also write the scores, test by test, as JSON")
     args = parser.parse_args(argv)
     scores, other = grade_all(
@@ -208,6 +218,7 @@ def main(argv=None) -> int:
         args.chapter,
         args.exercise,
         other_tests=not args.exercise_tests_only,
+        slow=args.slow,
     )
     print(f"{'exercise':<9} {'target':<66} {'passed':>8}  note")
     for s in scores:
@@ -223,8 +234,9 @@ def main(argv=None) -> int:
         print(f"{s.id:<9} {s.target:<66} {s.passed:>3}/{s.total:<4}  {note}")
     full = sum(s.passed == s.total > 0 for s in scores)
     print(f"\n{full}/{len(scores)} exercises complete")
+    slow_note = "" if args.slow else " (those marked slow not run: --slow)"
     for o in other:
-        print(f"{o.chapter}: other tests of the chapter: {o.passed} passed, {o.failed} failed")
+        print(f"{o.chapter}: other tests of the chapter: {o.passed} passed, {o.failed} failed" + slow_note)
         for r in o.tests:
             if r.outcome not in ("passed", "skipped"):
                 print(f"  {r.outcome}: {r.nodeid}")

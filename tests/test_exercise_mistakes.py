@@ -72,3 +72,24 @@ def test_every_mistake_loses_marks(chapter):
         elif s.passed == s.total:
             missed.append(f"{m.name} scores {s.passed}/{s.total}: {m.misconception}")
     assert not missed, "the tests do not catch these wrong answers:\n" + "\n".join(missed)
+
+
+@pytest.mark.slow
+def test_grade_reports_the_chapters_other_tests(tmp_path):
+    """A wrong 04.3 that never asks the KV connector passes most of its own tests; the chapter's
+    property tests (listed by no exercise) catch it, on grade.py's line of their own."""
+    grade = sys.modules["grade"]
+    (m,) = [m for m in MISTAKES if m.path.name == "04.3_no_kv_connector.py"]
+    key = mistakes.answer_key(["04_scheduler"])
+    for rel, text in key.items():
+        (tmp_path / "key" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "key" / rel).write_text(text)
+    _, (clean,) = grade.grade_all(exercises_dir=tmp_path / "key", chapters=["04_scheduler"])
+    assert clean.passed > 0 and clean.failed == 0, [t.nodeid for t in clean.tests if t.outcome == "failed"]
+    mistakes.grade_round([m], key, tmp_path / "wrong")
+    _, (wrong,) = grade.grade_all(exercises_dir=tmp_path / "wrong", chapters=["04_scheduler"])
+    failed = [t for t in wrong.tests if t.outcome == "failed"]
+    assert wrong.failed == len(failed) > 0
+    assert all("test_scheduler_properties.py" in t.nodeid and "_start_remote_load" in t.message for t in failed), [
+        (t.nodeid, t.message[:200]) for t in failed
+    ]
