@@ -8,6 +8,7 @@ whatever else is in the batch (:func:`exponential_noise`, vLLM V1's ``random_sam
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,61 +68,74 @@ def exponential_noise(
     return uniform.log_().neg_().clamp_(min=torch.finfo(torch.float32).tiny)
 
 
+def _long_tensor(ids: Sequence[int]) -> torch.Tensor:
+    """A CPU int64 tensor of ``ids`` through an ``array`` buffer: ~10x faster than
+    ``torch.tensor(list)`` for the thousands of ids a prompt has."""
+    if not ids:
+        return torch.empty(0, dtype=torch.long)  # frombuffer refuses an empty buffer
+    return torch.frombuffer(array("q", ids), dtype=torch.long)
+
+
 @dataclass
 class Penalties:
-    """vLLM's three penalties for the rows that use any of them (``rows``, into the batch).
+    """vLLM's three penalties, as sparse ``(batch row, token id)`` entries of the penalized rows.
 
-    ``output_counts [P, V]`` counts each token in the row's output; ``seen [P, V]`` marks tokens
-    in its prompt or output (the repetition penalty's set). Built from the requests' token ids
-    with one ``index_put_`` each, for these rows only, so the other rows cost nothing.
+    ``seen_*`` lists each distinct token of a row's prompt or output once (the repetition
+    penalty's set); ``out_*`` each distinct output token with its count (frequency and
+    presence). A step touches only these entries, O(tokens) rather than O(rows x vocabulary),
+    and rows without penalties cost nothing. ``repetition``, ``frequency`` and ``presence``
+    are each entry's row's setting.
     """
 
-    rows: torch.Tensor
-    presence: torch.Tensor
-    frequency: torch.Tensor
+    seen_rows: torch.Tensor
+    seen_ids: torch.Tensor
     repetition: torch.Tensor
-    output_counts: torch.Tensor
-    seen: torch.Tensor
+    out_rows: torch.Tensor
+    out_ids: torch.Tensor
+    out_counts: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
 
     @classmethod
     def from_rows(cls, rows: list[int], requests: Sequence, vocab_size: int, device: torch.device | str) -> Penalties:
-        """``requests[i]`` (prompt and completion token ids, ``sampling_params``) owns ``rows[i]``."""
-        params = [r.sampling_params for r in requests]
+        """``requests[i]`` (prompt and completion token ids, ``sampling_params``) owns batch row ``rows[i]``."""
 
-        def flat(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-            row_idx = [i for i, ids in enumerate(lists) for _ in ids]
-            return (
-                torch.tensor(row_idx, dtype=torch.long, device=device),
-                torch.tensor([t for ids in lists for t in ids], dtype=torch.long, device=device),
+        def keys(lists: list[Sequence[int]]) -> torch.Tensor:
+            # One int64 key per (row, token): row * vocab + token, so torch.unique dedups pairs.
+            parts = [_long_tensor(ids) + r * vocab_size for r, ids in zip(rows, lists)]
+            return torch.cat(parts).to(device)
+
+        out_keys, out_counts = torch.unique(keys([r.completion_token_ids for r in requests]), return_counts=True)
+        seen_keys = torch.unique(torch.cat([out_keys, keys([r.prompt_token_ids for r in requests])]))
+
+        def setting(name: str, entry_rows: torch.Tensor) -> torch.Tensor:
+            per_row = torch.ones(max(rows) + 1, dtype=torch.float32, device=device)
+            per_row[rows] = torch.tensor(
+                [float(getattr(r.sampling_params, name)) for r in requests], dtype=torch.float32, device=device
             )
+            return per_row[entry_rows]
 
-        shape = (len(rows), vocab_size)
-        out_rows, out_ids = flat([list(r.completion_token_ids) for r in requests])
-        counts = torch.zeros(shape, device=device)
-        counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=counts.dtype), accumulate=True)
-        seen = counts > 0
-        prompt_rows, prompt_ids = flat([list(r.prompt_token_ids) for r in requests])
-        seen[prompt_rows, prompt_ids] = True
-
-        def column(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device).unsqueeze(1)
-
+        seen_rows, out_rows = seen_keys // vocab_size, out_keys // vocab_size
         return cls(
-            torch.tensor(rows, dtype=torch.long, device=device),
-            column("presence_penalty"),
-            column("frequency_penalty"),
-            column("repetition_penalty"),
-            counts,
-            seen,
+            seen_rows,
+            seen_keys % vocab_size,
+            setting("repetition_penalty", seen_rows),
+            out_rows,
+            out_keys % vocab_size,
+            out_counts.float(),
+            setting("frequency_penalty", out_rows),
+            setting("presence_penalty", out_rows),
         )
 
     def apply(self, logits: torch.Tensor) -> None:
-        """vLLM's ``apply_penalties``, in place on ``logits [B, V]``'s penalized rows."""
-        sub = logits[self.rows]
-        repetition = torch.where(self.seen, self.repetition, torch.ones_like(self.repetition))
-        sub = torch.where(sub > 0, sub / repetition, sub * repetition)
-        sub -= self.frequency * self.output_counts + self.presence * (self.output_counts > 0)
-        logits[self.rows] = sub
+        """vLLM's ``apply_penalties``, in place on ``logits [B, V]``: repetition over the seen
+        tokens (divide a positive logit, multiply a negative one), then frequency and presence
+        over the output tokens."""
+        seen = (self.seen_rows, self.seen_ids)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / self.repetition, values * self.repetition)
+        out = (self.out_rows, self.out_ids)
+        logits[out] -= self.frequency * self.out_counts + self.presence
 
 
 @dataclass
