@@ -7,7 +7,7 @@ the chapter's own; see exercises/README.md for how your function is put in place
 
 from __future__ import annotations
 
-from vllm_from_scratch.openai_protocol import APIError, _SamplingFields
+from vllm_from_scratch.openai_protocol import IDENTIFYING_FIELDS, APIError, _is_neutral, _SamplingFields, engine_fields
 from vllm_from_scratch.sampling_params import SamplingParams
 
 
@@ -19,8 +19,12 @@ def check_supported_sampling(self) -> None:
     Becomes ``_SamplingFields.check_supported`` (a method: ``self`` is the _SamplingFields).
     Call parent methods as ``Parent.method(self, ...)``, not ``super()``.
 
-    Hint: Raise APIError(message, param=FIELD) for n != 1, a presence or frequency penalty,
-    logit_bias, and stream_options without stream.
+    Hint: A field in self.model_extra that is not in self.KNOWN_FIELDS is unknown: raise
+    APIError(message, param=name, code="unknown_field"). Then every field of self.given_fields()
+    that the model does not declare, the engine does not take (engine_fields(self.KNOWN_FIELDS))
+    and that does not identify the caller (IDENTIFYING_FIELDS) must hold its neutral value
+    (_is_neutral(value, self.KNOWN_FIELDS[name])), else APIError(..., param=name).
+    stream_options without stream is refused too.
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.S1a
     """
@@ -36,8 +40,10 @@ def check_supported_completion(self) -> None:
     Becomes ``CompletionRequest.check_supported`` (a method: ``self`` is the CompletionRequest).
     Call parent methods as ``Parent.method(self, ...)``, not ``super()``.
 
-    Hint: Run the shared checks first (_SamplingFields.check_supported(self)), then raise
-    APIError(..., param=FIELD) for logprobs, echo, best_of other than 1, and a suffix.
+    Hint: Run the shared checks, _SamplingFields.check_supported(self): they judge every field
+    by this endpoint's own table, CompletionRequest.KNOWN_FIELDS (its neutral values for echo,
+    best_of, suffix, ...), so a completion request refuses what the engine would silently
+    ignore.
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.S1b
     """
