@@ -37,6 +37,9 @@ from vllm_from_scratch.sampling_params import SamplingParams
 
 # Longest dummy prompt of the warm-up; a step at the token budget is several of them.
 WARM_UP_ROW = 256
+# Prompt positions whose logits exist at once when scoring prompt_logprobs (~200 MB float32
+# at a 200k vocabulary).
+PROMPT_LOGITS_SLICE = 256
 
 
 def kv_cache_budget(total: int, free: int, activation_peak: int, utilization: float, graph_pool: int = 0) -> int:
@@ -320,11 +323,10 @@ class ModelRunner:
         hidden = self._forward(batch)
         logits = self._logits(hidden[batch.logits_indices])
         prompt_rows = self._prompt_logprob_rows(scheduler_output, info)
-        prompt_logits = self._logits(hidden[[i for r in prompt_rows for i in r.flat_rows]]) if prompt_rows else None
+        if prompt_rows:  # every rank: the logits of the prompt rows are a collective
+            self._score_prompts(hidden, prompt_rows)
         if self.kv_worker is not None and scheduler_output.kv_connector_metadata is not None:
             self.kv_worker.save(scheduler_output.kv_connector_metadata.saves)
-        if prompt_logits is not None:  # before the return below: a mid-prompt chunk samples nothing
-            self._score_prompts(prompt_logits, prompt_rows)
         if logits is None or logits.shape[0] == 0:
             return {}
         sampling_requests = [r for r, n in zip(scheduler_output.scheduled_requests, info.num_sample_rows) if n]
@@ -375,11 +377,27 @@ class ModelRunner:
                 )
         return rows
 
-    def _score_prompts(self, prompt_logits: torch.Tensor, rows: list[PromptRows]) -> None:
-        """Gather every prompt row's logprobs into ``prompt_logprobs`` (one call for the batch)."""
-        targets = torch.tensor([t for r in rows for t in r.next_tokens], device=prompt_logits.device)
+    def _score_prompts(self, hidden: torch.Tensor, rows: list[PromptRows]) -> None:
+        """Gather every prompt row's logprobs into ``prompt_logprobs`` (rank 0; every rank
+        computes the logits with it).
+
+        The logits go through ``PROMPT_LOGITS_SLICE`` rows at a time: a whole chunk's
+        ``[tokens, vocab]`` float32 logits would be gigabytes at a large token budget.
+        """
+        flat = [i for r in rows for i in r.flat_rows]
+        targets = torch.tensor([t for r in rows for t in r.next_tokens], device=hidden.device)
         ks = [r.num_logprobs for r in rows for _ in r.next_tokens]
-        lists = gather_logprobs(prompt_logits.log_softmax(dim=-1), targets, ks)
+        lists = LogprobsLists([], [], [])
+        for start in range(0, len(flat), PROMPT_LOGITS_SLICE):
+            end = start + PROMPT_LOGITS_SLICE
+            logits = self._logits(hidden[flat[start:end]])
+            if logits is not None:
+                part = gather_logprobs(logits.log_softmax(dim=-1), targets[start:end], ks[start:end])
+                lists.token_ids += part.token_ids
+                lists.logprobs += part.logprobs
+                lists.ranks += part.ranks
+        if not lists.token_ids:
+            return  # a rank other than 0
         offset = 0
         for r in rows:
             end = offset + len(r.next_tokens)
