@@ -8,20 +8,28 @@ from spec_decode import speculative_decode_step
 
 
 def test_ngram_copies_what_followed_the_suffix():
-    assert NgramProposer(1, 2).propose([[1, 2, 3, 4, 1, 2]], 3) == [[3, 4, 1]]
+    drafts = NgramProposer(1, 2).propose([[1, 2, 3, 4, 1, 2]], 3)
+    assert drafts == [[3, 4, 1]], (
+        f"the suffix [1, 2] occurred earlier, followed by 3, 4, 1: got {drafts}; search the context before "
+        "the suffix itself, or the suffix finds itself with nothing after it"
+    )
 
 
 def test_ngram_prefers_the_longest_match():
     # The 1-gram [9] last occurred before 5, the 2-gram [7, 9] before 4.
     ids = [7, 9, 4, 0, 9, 5, 7, 9]
     assert NgramProposer(1, 1).propose_one(ids, 1) == [5]
-    assert NgramProposer(1, 2).propose_one(ids, 1) == [4]
+    drafts = NgramProposer(1, 2).propose_one(ids, 1)
+    assert drafts == [4], f"the longest recurring suffix, [7, 9], wins over [9]: expected [4], got {drafts}"
     assert NgramProposer(2, 2).propose_one(ids, 3) == [4, 0, 9]
 
 
 def test_ngram_prefers_the_most_recent_occurrence_and_stops_at_the_end():
     ids = [3, 1, 3, 2, 3]
-    assert NgramProposer(1, 1).propose_one(ids, 4) == [2, 3]
+    drafts = NgramProposer(1, 1).propose_one(ids, 4)
+    assert drafts == [2, 3], (
+        f"[3] occurred at 0 and 2: the most recent occurrence wins and the copy stops at the end, got {drafts}"
+    )
 
 
 def test_ngram_no_match_and_edge_cases():

@@ -131,7 +131,10 @@ def test_greedy_agrees_with_the_seed_batched_layout():
     sampled, num_sampled = rejection_sampling_batched(
         torch.tensor(target_flat), torch.tensor(input_flat), torch.tensor(cu), K
     )
-    assert torch.equal(sampled, expected)
+    assert torch.equal(sampled, expected), (
+        f"got {sampled.tolist()}, expected {expected.tolist()}: position i's target token is checked against "
+        "the next input id, draft_tokens[i + 1], and the target's token at the first mismatch is kept"
+    )
     assert num_sampled.tolist() == (num_accepted_tokens(expected) + 1).tolist()
 
 

@@ -24,8 +24,16 @@ def test_greedy_rows_are_argmax_even_in_a_sampled_batch():
 def test_top_k_one_is_greedy_and_top_p_keeps_at_least_one():
     logits = _logits(3, 1)
     temps = torch.ones(3)
-    assert torch.equal(Sampler()(logits, temps, top_ks=torch.tensor([1, 1, 1])), logits.argmax(-1))
-    assert torch.equal(Sampler()(logits, temps, top_ps=torch.tensor([1e-6] * 3)), logits.argmax(-1))
+    top_k = Sampler()(logits, temps, top_ks=torch.tensor([1, 1, 1]))
+    assert torch.equal(top_k, logits.argmax(-1)), (
+        f"top_k = 1 keeps only the most likely token (ranks >= top_k are masked, counting from 0): sampled "
+        f"{top_k.tolist()}, argmax {logits.argmax(-1).tolist()}"
+    )
+    top_p = Sampler()(logits, temps, top_ps=torch.tensor([1e-6] * 3))
+    assert torch.equal(top_p, logits.argmax(-1)), (
+        f"a tiny top_p still keeps the most likely token (a token is dropped when the tokens before it reach "
+        f"top_p): sampled {top_p.tolist()}, argmax {logits.argmax(-1).tolist()}"
+    )
 
 
 def test_top_k_top_p_masks_match_a_per_row_reference():
