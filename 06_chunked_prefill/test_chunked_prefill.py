@@ -103,15 +103,23 @@ def test_scheduler_info_describes_a_mixed_batch():
     assert info.chunk_idx == [0, 3] and info.chunk_len == [3, 5]
     assert info.kv_len == [3, 0] and info.kv_page_len == [2, 2]
     assert info.block_tables == [r.block_table for r in out.scheduled_requests]
-    assert info.is_decoding == [True, False] and info.last_pos == [2, -1] and info.num_spec == [2, 0]
+    assert info.is_decoding == [True, False] and info.last_pos == [2, -1] and info.num_spec == [2, 0], (
+        f"is_decoding {info.is_decoding}, last_pos {info.last_pos}, num_spec {info.num_spec}: d decodes with 2 "
+        "drafts and samples at its last position; p's chunk ends mid-prompt, so it samples nothing (last_pos -1)"
+    )
     assert (info.decoding_batch, info.prefill_batch) == (1, 1)
     assert info.logits_indices == [0, 1, 2]  # every position of the row with 2 drafts
     assert info.num_sample_rows == [3, 0]
 
     inp = build_batch_inputs(info, BS)
     assert inp.input_ids.tolist() == info.merge_prompt
-    assert inp.positions.tolist() == [3, 4, 5, 0, 1, 2, 3, 4]
-    assert inp.cu_seqlens_q.tolist() == [0, 3, 8] and inp.seq_lens_k.tolist() == [6, 5]
+    assert inp.positions.tolist() == [3, 4, 5, 0, 1, 2, 3, 4], (
+        f"positions {inp.positions.tolist()}: each chunk continues after the tokens already in its cache "
+        "(d has 3), it does not restart at 0"
+    )
+    assert inp.cu_seqlens_q.tolist() == [0, 3, 8] and inp.seq_lens_k.tolist() == [6, 5], (
+        f"cu_seqlens_q {inp.cu_seqlens_q.tolist()}: a leading 0, then the running sum of the chunk lengths"
+    )
     bm = s.block_manager
     d, p = out.scheduled_requests
     assert inp.slot_mapping.tolist() == bm.slot_mapping(d, 3, 6) + bm.slot_mapping(p, 0, 5)
