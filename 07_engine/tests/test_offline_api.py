@@ -185,12 +185,28 @@ def test_finish_and_stop_reasons(llm):
     got = by_token[0].outputs[0]
     assert (got.finish_reason, got.stop_reason) == ("stop", stop_id)
     assert got.token_ids == ref.token_ids[: ref.token_ids.index(stop_id) + 1]  # the stop token is kept
+    tokenizer = llm.get_tokenizer()
+    assert got.text == tokenizer.decode(got.token_ids[:-1])  # but its text is not, as in vLLM
+    kept = llm.generate(
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == tokenizer.decode(got.token_ids)
 
     word = ref.text.split()[2]
     by_string = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, stop=["zzz-never", word]))
     got = by_string[0].outputs[0]
     assert (got.finish_reason, got.stop_reason) == ("stop", word)
     assert got.text == ref.text[: ref.text.index(word)]  # cut before the stop string
+    with_stop = llm.generate(
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=12, stop=[word], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert with_stop.text == ref.text[: ref.text.index(word) + len(word)]
+    with pytest.raises(ValueError, match="^include_stop_str_in_output"):
+        SamplingParams(include_stop_str_in_output="yes")
 
 
 def test_greedy_tokens_are_the_engine_loops(llm):

@@ -138,11 +138,6 @@ def test_stop_token_ids_end_the_answer_and_name_the_token(client, base_url):
     assert stopped.choices[0].stop_reason == "Paris"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the engine's detokenizer (engine.py) keeps a stop_token_ids token's text; vLLM leaves it out "
-    "unless include_stop_str_in_output",
-)
 def test_a_stop_token_leaves_its_text_out(client, base_url):
     resp = client.chat.completions.create(
         model=MODEL,

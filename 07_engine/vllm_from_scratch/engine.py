@@ -489,7 +489,11 @@ class LLMEngine:
         if len(new_ids) == req.num_completion_tokens:
             self.prompt_tokens_total += req.num_prompt_tokens
         self.generation_tokens_total += len(new_ids)
-        req.detokenizer.update(req.token_ids)
+        # The scheduler has already stopped a request on EOS or a stop token: as vLLM's
+        # detokenizer does, that token's text stays out unless the request asks for it.
+        drop_stop_token = req.status == RequestStatus.FINISHED_STOPPED
+        keep_stop = req.sampling_params.include_stop_str_in_output
+        req.detokenizer.update(req.token_ids[:-1] if drop_stop_token and not keep_stop else req.token_ids)
         req.text = req.detokenizer.text
         stop_strings = req.stop_strings
         # vLLM checks stop strings only once more than min_tokens tokens are out.
@@ -507,11 +511,12 @@ class LLMEngine:
 
     @staticmethod
     def _cut_at_stop_string(req: EngineRequest) -> str | None:
-        """Cut ``req.text`` at its first stop string found; returns that string (None: none)."""
+        """Cut ``req.text`` at its first stop string found (after it with
+        ``include_stop_str_in_output``); returns that string (None: none)."""
         for s in req.stop_strings:
             idx = req.text.find(s)
             if idx != -1:
-                req.text = req.text[:idx]
+                req.text = req.text[: idx + len(s) if req.sampling_params.include_stop_str_in_output else idx]
                 return s
         return None
 

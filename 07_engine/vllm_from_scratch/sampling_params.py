@@ -57,8 +57,10 @@ class SamplingParams:
         max_tokens: new tokens to generate at most (>= 1); None: until ``max_model_len``.
         ignore_eos: keep generating past the end-of-sequence token (benchmarks).
         stop: strings that end generation; checked on the decoded text and cut from it.
-        stop_token_ids: token ids that end generation besides EOS (kept in ``token_ids``), even
-            with ``ignore_eos``.
+        stop_token_ids: token ids that end generation besides EOS (kept in ``token_ids``, their
+            text left out of ``text``), even with ``ignore_eos``.
+        include_stop_str_in_output: keep the stop string, or the stop token's text, at the end
+            of ``text`` (vLLM's; default False).
         seed: a per-request random seed: the same seed gives the same sample whatever the batch.
         presence_penalty: subtracted once from the logit of every token already generated; in
             [-2, 2] (vLLM V1: over output tokens only).
@@ -89,6 +91,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -118,8 +121,9 @@ class SamplingParams:
         check_int("top_k", self.top_k, -1)
         if self.max_tokens is not None:
             check_int("max_tokens", self.max_tokens, 1)
-        if not isinstance(self.ignore_eos, bool):
-            raise ParameterError("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
+        for flag in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ParameterError(flag, f"must be true or false, got {getattr(self, flag)!r}")
         # Lists since __post_init__, unless reassigned since (the engine validates again).
         if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ParameterError("stop", f"must be non-empty strings, got {self.stop!r}")

@@ -228,11 +228,11 @@ def chapter_sizes_markdown() -> str:
 
     A chapter with pages of its own (chapter 07's topics) gets a row per page, each with the modules
     it walks through: a module or test file belongs to the other page that names it most often, or
-    to the README where no other page names it. Benchmark scripts are run, not read, so they are not counted. Reading time: prose at 200 words a
-    minute, modules at 20 lines a minute (code is read twice: once for the idea, once for the edge
-    cases), tests at 60 lines a minute. Words are rounded to hundreds and lines to fifties, and the
-    time is computed from the rounded sizes: the committed table (docs/reading-path.md) then
-    changes when a chapter grows, not at every edit.
+    to the README where no other page names it. Benchmark scripts are run, not read, so they are
+    not counted. Reading time: prose at 200 words a minute, modules at 20 lines a minute (code is
+    read twice: once for the idea, once for the edge cases), tests at 60 lines a minute. Words are
+    rounded to hundreds and lines to fifties, and the time is computed from the rounded sizes: the
+    committed table (docs/reading-path.md) then changes when a chapter grows, not at every edit.
     """
     rows = [
         "| page | words | module lines | test lines | reading time |",
