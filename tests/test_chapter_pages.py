@@ -7,12 +7,11 @@ back within a page ("Exercises", "Measured results") is two texts stitched toget
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
+from exercise_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 400
@@ -51,22 +50,11 @@ def test_no_heading_repeats_within_a_page(page):
     assert not repeated, f"{page.relative_to(ROOT)}: headings repeated: {repeated}"
 
 
-def _load(name: str, path: Path):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_each_exercise_points_at_the_page_that_lists_it():
     """A stub's error names a page's Exercises section (make_stubs.readme_anchor): that page exists
     and its section lists the exercise, in every chapter (07.S1a and 07.S1b may be listed as 07.S1)."""
-    ep = _load("vfs_exercise_plugin", ROOT / "exercises" / "exercise_plugin.py")
-    sys.modules.setdefault("exercise_plugin", ep)  # what make_stubs imports
-    make_stubs = _load("vfs_exercise_make_stubs", ROOT / "exercises" / "make_stubs.py")
+    ep = load_script("exercise_plugin")
+    make_stubs = load_script("make_stubs")
     for ex in ep.load_exercises():
         page, _, anchor = make_stubs.readme_anchor(ex).partition("#")
         assert anchor == "exercises" and (ROOT / page).is_file(), f"{ex.id}: no page {page}"

@@ -11,27 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from exercise_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 EXERCISES = ROOT / "exercises"
 
 
-def _load(name: str, path: Path):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ep = _load("vfs_exercise_plugin", EXERCISES / "exercise_plugin.py")
-# What the exercises/ scripts import by their plain names.
-sys.modules.setdefault("exercise_plugin", ep)
-sys.modules.setdefault("make_stubs", _load("vfs_exercise_make_stubs", EXERCISES / "make_stubs.py"))
-sys.modules.setdefault("grade", _load("vfs_exercise_grade", EXERCISES / "grade.py"))
-mistakes = _load("vfs_exercise_mistakes", EXERCISES / "mistakes.py")
+ep = load_script("exercise_plugin")
+load_script("make_stubs")
+load_script("grade")
+mistakes = load_script("mistakes")
 
 ALL = ep.load_exercises()
 MISTAKES = mistakes.load_mistakes()

@@ -19,25 +19,15 @@ import typing
 from pathlib import Path
 
 import pytest
+from exercise_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 EXERCISES = ROOT / "exercises"
 
 
-def _load(name: str, path: Path):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ep = _load("vfs_exercise_plugin", EXERCISES / "exercise_plugin.py")
-sys.modules.setdefault("exercise_plugin", ep)  # what grade.py and make_stubs.py import
-grade = _load("vfs_exercise_grade", EXERCISES / "grade.py")
-make_stubs = _load("vfs_exercise_make_stubs", EXERCISES / "make_stubs.py")
+ep = load_script("exercise_plugin")
+grade = load_script("grade")
+make_stubs = load_script("make_stubs")
 
 ALL = ep.load_exercises()
 CHAPTERS_WITH_TESTS = sorted(p.parent.name for p in ROOT.glob("0*_*/test_*.py"))
