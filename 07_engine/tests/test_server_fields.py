@@ -19,12 +19,12 @@ from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
-from transformers import AutoTokenizer
 
+import test_server_protocol
 from test_server_protocol import KEY, MODEL, ScriptedEngine, assert_error
 from vllm_from_scratch import serve
 from vllm_from_scratch.api_server import VERSION, build_app
-from vllm_from_scratch.default_model import MODEL_NAME, default_model_dir
+from vllm_from_scratch.default_model import MODEL_NAME
 from vllm_from_scratch.openai_protocol import CHAT_FIELDS, COMPLETION_FIELDS, IDENTIFYING_FIELDS, engine_fields
 from vllm_from_scratch.serving import generation_config_defaults
 
@@ -128,21 +128,10 @@ SERVER_HANDLED = {
 }
 SKIPPED = {"model", "prompt", "messages"}  # the request itself (model: test_server_protocol)
 
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(default_model_dir())
-
-
-@pytest.fixture
-def engine(tokenizer):
-    return ScriptedEngine(tokenizer)
-
-
-@pytest.fixture
-def client(engine):
-    with TestClient(build_app(engine, MODEL)) as c:
-        yield c
+# The protocol tests' fixtures: the default model's tokenizer, a scripted engine, a client of its app.
+tokenizer = test_server_protocol.tokenizer
+engine = test_server_protocol.engine
+client = test_server_protocol.client
 
 
 def test_every_known_field_has_a_value_to_send():
