@@ -206,6 +206,17 @@ def test_bad_inputs_get_4xx_and_the_server_keeps_serving(client, base_url):
     assert ok.usage.completion_tokens >= 1
 
 
+def _assert_idle_soon(base_url: str) -> None:
+    """Within 20 s, no request runs and the KV cache is empty: an abort returned every block."""
+    deadline = time.time() + 20
+    while time.time() < deadline and (
+        metric(base_url, "vllm:num_requests_running") != 0 or metric(base_url, "vllm:kv_cache_usage_perc") != 0
+    ):
+        time.sleep(0.1)
+    assert metric(base_url, "vllm:num_requests_running") == 0
+    assert metric(base_url, "vllm:kv_cache_usage_perc") == 0
+
+
 def test_disconnect_mid_stream_aborts_and_frees(base_url):
     aborted_before = _abort_count(base_url)
     body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -218,13 +229,7 @@ def test_disconnect_mid_stream_aborts_and_frees(base_url):
                 if len(received) >= 3:
                     break
         assert metric(base_url, "vllm:generation_tokens_total") > 0
-    deadline = time.time() + 20
-    while time.time() < deadline and (
-        metric(base_url, "vllm:num_requests_running") != 0 or metric(base_url, "vllm:kv_cache_usage_perc") != 0
-    ):
-        time.sleep(0.1)
-    assert metric(base_url, "vllm:num_requests_running") == 0
-    assert metric(base_url, "vllm:kv_cache_usage_perc") == 0
+    _assert_idle_soon(base_url)
     assert _abort_count(base_url) == aborted_before + 1
     assert all(c["choices"][0]["finish_reason"] is None for c in received)
 
@@ -234,13 +239,7 @@ def test_client_timeout_on_a_non_streamed_request_aborts_it(base_url):
     body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(base_url + "/v1/completions", json=body, timeout=1.5, headers=AUTH)
-    deadline = time.time() + 20
-    while time.time() < deadline and (
-        metric(base_url, "vllm:num_requests_running") != 0 or metric(base_url, "vllm:kv_cache_usage_perc") != 0
-    ):
-        time.sleep(0.1)
-    assert metric(base_url, "vllm:num_requests_running") == 0
-    assert metric(base_url, "vllm:kv_cache_usage_perc") == 0
+    _assert_idle_soon(base_url)
     assert _abort_count(base_url) == aborted_before + 1
 
 
