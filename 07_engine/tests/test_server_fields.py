@@ -124,6 +124,12 @@ SERVER_HANDLED = {
     "add_generation_prompt",
     "continue_final_message",
     "chat_template_kwargs",
+    # rendered into the response: test_server_logprobs
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "echo",
+    "return_tokens_as_token_ids",
     *IDENTIFYING_FIELDS,
 }
 SKIPPED = {"model", "prompt", "messages"}  # the request itself (model: test_server_protocol)
@@ -176,7 +182,11 @@ def test_every_field_is_honoured_or_refused_by_name(client, engine, path):
         want = {5: 1.0} if field == "logit_bias" else value
         assert got == want, (field, got, want)
     assert {"temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos"} <= set(honoured)
-    assert {"n", "echo", "guided_json", "tools" if "tools" in ENDPOINT_FIELDS[path] else "best_of"} <= set(refused)
+    assert {"logprobs", "prompt_logprobs", "return_tokens_as_token_ids"} <= set(honoured)
+    chat = "tools" in ENDPOINT_FIELDS[path]
+    assert {"n", "guided_json", *(("tools", "echo") if chat else ("best_of",))} <= set(refused)
+    assert ("top_logprobs" in refused) == chat, "top_logprobs without logprobs: true is refused by name"
+    assert ("echo" in honoured) == (not chat), "completions' echo is rendered, chat's is not implemented"
 
 
 def test_refusals_say_the_field_is_not_supported(client):

@@ -222,9 +222,9 @@ def test_batched_prompts_give_one_choice_each(client, tokenizer):
     [
         ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
         ({"prompt": "hi", "n": 2}, 400, "n"),
-        ({"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+        ({"prompt": "hi", "suffix": "!"}, 400, "suffix"),
         ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
-        ({"prompt": "hi", "echo": True}, 400, "echo"),
+        ({"prompt": "hi", "prompt_embeds": "AAAA"}, 400, "prompt_embeds"),
         # Out of range: refused by SamplingParams where it has penalties, else as unsupported.
         ({"prompt": "hi", "presence_penalty": 5.0}, 400, "presence_penalty"),
         ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
@@ -273,7 +273,7 @@ def test_error_codes_follow_openai(client):
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
-        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
         ({"messages": [{"role": "user", "content": "x " * 80}]}, "messages"),
     ],

@@ -4,9 +4,11 @@ The models check the JSON's *shape*; its *values* are the engine's to judge (``S
 and ``LLMEngine.make_request``), so each rule is written once. No field is silently ignored:
 every field OpenAI's or vLLM's API defines is listed once (:data:`COMPLETION_FIELDS`,
 :data:`CHAT_FIELDS`); a ``SamplingParams`` field passes straight to the engine, one the engine
-cannot honour (``n > 1``, ``logprobs``, tools, ...) is refused with a 400 naming it unless it
-asks for nothing, and a field no API defines is refused too: a client that asks for three
-samples and gets one, or misspells ``temperature``, has a bug it cannot see.
+cannot honour (``n > 1``, tools, ...) is refused with a 400 naming it unless it asks for
+nothing, and a field no API defines is refused too: a client that asks for three samples and
+gets one, or misspells ``temperature``, has a bug it cannot see. The logprobs fields and
+completions' ``echo`` are declared on the models: they change the response, which the server
+renders (``openai_logprobs``), as well as the ``SamplingParams``.
 """
 
 from __future__ import annotations
@@ -186,7 +188,9 @@ CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 # SamplingParams fields whose effect shows in the *response* (more choices, logprobs, the
 # prompt echoed): passing them to the engine is not enough, the server has to render them, so
-# they are never passed through by name alone.
+# they are never passed through by name alone. The models declare those it renders (logprobs,
+# echo) and map them to SamplingParams (:meth:`_SamplingFields.sampling_kwargs`); the rest are
+# refused unless neutral.
 RESPONSE_FIELDS = frozenset({"n", "best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo"})
 # Fields that only identify the caller to the provider (OpenAI's abuse monitoring): accepting
 # them with no effect on the output is what they mean.
@@ -238,6 +242,9 @@ class _SamplingFields(BaseModel):
     stop_token_ids: FirstErrorList[int] | None = None
     priority: int | None = None  # lower first, with the server's --scheduling-policy priority
     request_id: str | None = None  # vLLM's: the response's id (and the engine's), else random
+    # vLLM's: each prompt token's logprob and this many more (the response's prompt_logprobs).
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = False  # vLLM's: logprobs name tokens "token_id:N"
     if TYPE_CHECKING:
         # Each endpoint declares its own, with its own default and place in the field order (the
         # order validation errors are listed in).
@@ -267,6 +274,32 @@ class _SamplingFields(BaseModel):
                 "not supported by this engine: stream_options.continuous_usage_stats", param="stream_options"
             )
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs``: top logprobs per generated token (None: no logprobs)."""
+        raise NotImplementedError
+
+    @property
+    def num_logprobs_field(self) -> str:
+        """The body field :attr:`num_logprobs` comes from."""
+        return "logprobs"
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """``SamplingParams.prompt_logprobs`` (None: the prompt is not scored)."""
+        return self.prompt_logprobs
+
+    def check_logprobs(self, max_logprobs: int) -> None:
+        """vLLM's rules for the logprobs fields, each a 400 naming the field: no
+        ``prompt_logprobs`` in a stream, and no more top logprobs than ``max_logprobs`` (vLLM's
+        default 20). A negative count is ``SamplingParams``' to refuse."""
+        if self.prompt_logprobs is not None and self.stream:
+            # vLLM refuses > 0; 0 too here, as a stream has no place to show them.
+            raise APIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+        for field, count in ((self.num_logprobs_field, self.num_logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if count is not None and count > max_logprobs:
+                raise APIError(f"{field} must be at most {max_logprobs} (max_logprobs), got {count}", param=field)
+
     def given_fields(self) -> dict[str, Any]:
         """Every field the body set (declared or not), with its value; nulls included."""
         given = {name: getattr(self, name) for name in self.model_fields_set if name in type(self).model_fields}
@@ -295,6 +328,9 @@ class _SamplingFields(BaseModel):
         for name in engine_fields(self.KNOWN_FIELDS):
             if given.get(name) is not None:
                 kwargs[name] = given[name]
+        for name, count in (("logprobs", self.num_logprobs), ("prompt_logprobs", self.num_prompt_logprobs)):
+            if count is not None:
+                kwargs[name] = count
         if isinstance(kwargs.get("stop"), str):
             kwargs["stop"] = [kwargs["stop"]]
         max_tokens, cap = self.requested_max_tokens, (defaults or {}).get("max_tokens")
@@ -309,11 +345,38 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | FirstErrorList[int] | FirstErrorList[str] | FirstErrorList[FirstErrorList[int]]
     max_tokens: int | None = 16
+    logprobs: int | None = None  # each generated token's logprob and this many more
+    echo: bool | None = False  # the prompt before the completion (its logprobs too, with logprobs)
 
     def check_supported(self) -> None:
-        """The shared checks, which judge every field by this endpoint's table: ``logprobs``,
-        ``echo``, ``best_of`` other than 1 and a ``suffix`` are refused there too."""
+        """The shared checks, which judge every field by this endpoint's table: ``best_of``
+        other than 1, a ``suffix`` and ``prompt_embeds`` are refused there too."""
         super().check_supported()
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        # vLLM: echo scores the prompt as it scores the completion, unless prompt_logprobs says.
+        return self.logprobs if self.prompt_logprobs is None and self.echo else self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0`` (OpenAI's way to score a prompt): the response is the
+        prompt alone. vLLM's ``echo_without_generation``: the engine still samples one token
+        (at least one step must run to score the prompt), which the response leaves out."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens
+
+    @property
+    def field_names(self) -> dict[str, str]:
+        # An engine refusal of the prompt logprobs echo asked for blames echo.
+        return {"prompt_logprobs": "echo"} if self.prompt_logprobs is None and self.echo else {}
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of single prompts (OpenAI allows four shapes)."""
@@ -366,10 +429,30 @@ class ChatCompletionRequest(_SamplingFields):
     messages: FirstErrorList[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False  # each generated token's logprob ...
+    top_logprobs: int | None = None  # ... and this many more (null: 0)
     # vLLM's chat-template controls, handed to the one chat rendering (chat_utils.render_chat).
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_logprobs(self, max_logprobs: int) -> None:
+        """The shared rules, after vLLM's two for ``top_logprobs``: not negative, and not above
+        0 unless ``logprobs`` is true (0 with ``logprobs: false`` asks for nothing)."""
+        top = self.top_logprobs
+        if top is not None and top < 0:
+            raise APIError(f"top_logprobs must be >= 0, got {top}", param="top_logprobs")
+        if top and not self.logprobs:
+            raise APIError(f"top_logprobs={top} needs logprobs set to true", param="top_logprobs")
+        super().check_logprobs(max_logprobs)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def num_logprobs_field(self) -> str:
+        return "top_logprobs"
 
     @property
     def requested_max_tokens(self) -> int | None:

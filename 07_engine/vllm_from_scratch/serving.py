@@ -2,7 +2,9 @@
 
 The body becomes token ids and a :class:`SamplingParams`, checked by the engine's own code (its
 :class:`ParameterError` becomes a 400 naming the field), in worker threads: never on the event
-loop that streams the other clients' tokens.
+loop that streams the other clients' tokens. The engine's logprobs come back in OpenAI's shapes
+(:mod:`openai_logprobs`), with completions' ``echo`` showing the prompt and its logprobs first,
+as vLLM's server does (lm-evaluation-harness scores a continuation that way).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import threading
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from fastapi import Request
@@ -23,6 +25,7 @@ from vllm_from_scratch.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from vllm_from_scratch.chat_utils import render_chat
 from vllm_from_scratch.engine import RequestOutput, encode_prompt
 from vllm_from_scratch.errors import ParameterError
+from vllm_from_scratch.openai_logprobs import LogprobEntry, LogprobsRenderer, padded, prompt_logprobs_json
 from vllm_from_scratch.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -41,30 +44,80 @@ from vllm_from_scratch.streaming import SSE_DONE, collect_or_abort, sse, stream_
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from vllm_from_scratch.outputs import Logprob
+
 OpenAIRequest: TypeAlias = CompletionRequest | ChatCompletionRequest
 # Request bodies prepared at once. Two: one long body does not hold up every other client's
 # request, and the bodies being tokenized together (each up to the size limit) stay few.
 PREPARE_WORKERS = 2
+# vLLM's default --max-logprobs: the most top logprobs a request may ask for per token.
+MAX_LOGPROBS = 20
 
 
 @dataclass
 class Choice:
-    """What one choice accumulates while its request runs."""
+    """What one choice accumulates while its request runs, and how much of it a response sent.
 
-    prompt_tokens: int
+    ``echo`` is the prompt's text when the response shows the prompt first (completions'
+    ``echo``); ``echo_only`` shows nothing else (``max_tokens: 0``).
+    """
+
+    prompt_token_ids: list[int]
+    echo: str | None = None
+    echo_only: bool = False
     text: str = ""
-    completion_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[LogprobEntry] | None = None
     cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    echoed: bool = False
+    sent_tokens: int = 0
+    sent_chars: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
 
     def update(self, out: RequestOutput) -> None:
         self.text += out.new_text
-        self.completion_tokens += len(out.new_token_ids)
+        self.token_ids += out.new_token_ids
         self.cached_tokens = out.num_cached_tokens or 0
+        if out.logprobs is not None:
+            self.logprobs = out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
             self.stop_reason = getattr(out, "stop_reason", None)
+
+    def take(self, text: str) -> tuple[str, list[int], list[LogprobEntry], int]:
+        """The next piece of the response (a stream's chunk, or the whole): ``text``, the tokens
+        not taken before with their logprob entries, and the character offset it starts at.
+        The first piece starts with the echoed prompt. A chunk is only sent with text (or a
+        finish), so tokens whose text is held back (half a character, a possible stop string)
+        bring their logprobs in the next one."""
+        ids = self.token_ids[self.sent_tokens :]
+        entries = padded((self.logprobs or [])[self.sent_tokens :], len(ids))
+        offset = self.sent_chars
+        if self.echo is not None and not self.echoed:
+            self.echoed = True
+            prompt = padded(self.prompt_logprobs or [], self.prompt_tokens)
+            if self.echo_only:  # the one sampled token stays out, as in vLLM
+                text, ids, entries = "", [], []
+            text, ids, entries = self.echo + text, [*self.prompt_token_ids, *ids], [*prompt, *entries]
+        self.sent_tokens = len(self.token_ids)
+        self.sent_chars += len(text)
+        return text, ids, entries, offset
+
+    def prompt_logprobs_field(self) -> list[dict[int, dict[str, Any]] | None] | None:
+        """vLLM's ``prompt_logprobs`` field (None if the engine reported none)."""
+        return None if self.prompt_logprobs is None else prompt_logprobs_json(self.prompt_logprobs)
 
 
 def api_error(exc: ValueError, field_names: dict[str, str]) -> APIError:
@@ -81,9 +134,10 @@ class OpenAIServing:
     ``tokenizer`` is the server's own instance, used from worker threads while the engine
     thread uses the engine's. ``default_sampling_params`` are the model's own sampling defaults
     (:func:`generation_config_defaults`), for requests that leave a field unset.
-    ``vocab_size`` and ``max_model_len`` are the engine's, for its
-    prompt checks. Bodies are prepared in :data:`PREPARE_WORKERS` threads at the lowest CPU
-    priority (:func:`lowest_cpu_priority`): the requests already running come first.
+    ``vocab_size`` and ``max_model_len`` are the engine's, for its prompt checks;
+    ``max_logprobs`` caps the top logprobs a request may ask for per token. Bodies are prepared
+    in :data:`PREPARE_WORKERS` threads at the lowest CPU priority (:func:`lowest_cpu_priority`):
+    the requests already running come first.
     """
 
     def __init__(
@@ -95,9 +149,11 @@ class OpenAIServing:
         vocab_size: int,
         default_sampling_params: Mapping[str, Any] | None = None,
         scheduling_policy: str = "fcfs",
+        max_logprobs: int = MAX_LOGPROBS,
     ) -> None:
         self.llm = llm
         self.scheduling_policy = scheduling_policy
+        self.max_logprobs = max_logprobs
         self.default_sampling_params = dict(default_sampling_params or {})
         self.served_model_name = served_model_name
         self.tokenizer = tokenizer
@@ -117,18 +173,34 @@ class OpenAIServing:
                 f"The model `{model}` does not exist.", status_code=404, param="model", code="model_not_found"
             )
 
-    def prepare(self, body: OpenAIRequest) -> tuple[SamplingParams, list[list[int]]]:
-        """The body's ``SamplingParams`` and its prompts' token ids, both checked by the engine's
-        own code (:func:`engine.encode_prompt`); run in a worker thread."""
+    def prepare(self, body: OpenAIRequest) -> tuple[SamplingParams, list[list[int]], list[str] | None]:
+        """The body's ``SamplingParams``, its prompts' token ids, both checked by the engine's
+        own code (:func:`engine.encode_prompt`), and the prompts' text where ``echo`` shows it
+        (else None); run in a worker thread."""
         try:
             params = SamplingParams(**body.sampling_kwargs(self.default_sampling_params))
             if isinstance(body, ChatCompletionRequest):
                 prompts: list[str | list[int]] = [self.render_chat(body.conversation(), **body.chat_options())]
             else:
                 prompts = body.prompts()
-            return params, [encode_prompt(self.tokenizer, p, self.vocab_size, self.max_model_len) for p in prompts]
+            ids = [encode_prompt(self.tokenizer, p, self.vocab_size, self.max_model_len) for p in prompts]
         except ValueError as exc:
             raise api_error(exc, body.field_names) from exc
+        echo = isinstance(body, CompletionRequest) and body.echo
+        return params, ids, [self.prompt_text(p, i) for p, i in zip(prompts, ids)] if echo else None
+
+    def prompt_text(self, prompt: str | list[int], token_ids: list[int]) -> str:
+        """A prompt's text as ``echo`` shows it: as given, or its token ids decoded (special
+        tokens kept, as vLLM's renderer decodes them)."""
+        if isinstance(prompt, str):
+            return prompt
+        return "" if self.tokenizer is None else str(self.tokenizer.decode(token_ids))
+
+    def logprobs_renderer(self, body: OpenAIRequest) -> LogprobsRenderer | None:
+        """How the response shows logprobs; None where the body asked for none."""
+        if body.num_logprobs is None:
+            return None
+        return LogprobsRenderer(body.num_logprobs, self.tokenizer, bool(body.return_tokens_as_token_ids))
 
     def render_chat(self, conversation: list[dict[str, Any]], **options: Any) -> list[int]:
         # LLM.chat's rendering too (one source of truth); its ParameterError names "messages",
@@ -208,6 +280,7 @@ class OpenAIServing:
         """Either endpoint: the two differ only in ids, object names and the body of a choice."""
         self.check_model(body.model)
         body.check_supported()
+        body.check_logprobs(self.max_logprobs)
         if body.priority and self.scheduling_policy != "priority":
             # vLLM refuses it too: under fcfs a priority would be accepted and ignored.
             raise APIError(
@@ -215,41 +288,55 @@ class OpenAIServing:
                 f"{self.scheduling_policy}",
                 param="priority",
             )
-        params, prompts = await asyncio.get_running_loop().run_in_executor(self.executor, self.prepare, body)
+        params, prompts, echoes = await asyncio.get_running_loop().run_in_executor(self.executor, self.prepare, body)
         chat = isinstance(body, ChatCompletionRequest)
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{body.request_id}" if body.request_id else random_id(prefix)
         streams = await self.start(request_id, prompts, params, body)
-        choices = [Choice(prompt_tokens=len(ids)) for ids in prompts]
+        echo_only = isinstance(body, CompletionRequest) and body.echo_only
+        choices = [Choice(ids, None if echoes is None else echoes[i], echo_only) for i, ids in enumerate(prompts)]
+        renderer = self.logprobs_renderer(body)
         kind = ("chat.completion.chunk" if body.stream else "chat.completion") if chat else "text_completion"
         header = {"id": request_id, "object": kind, "created": now(), "model": self.served_model_name}
         if body.stream:
-            return StreamingResponse(self._events(streams, choices, header, body), media_type="text/event-stream")
+            events = self._events(streams, choices, header, body, renderer)
+            return StreamingResponse(events, media_type="text/event-stream")
         await collect_or_abort(raw, streams, lambda i, out: choices[i].update(out))
-
-        def content(c: Choice) -> dict[str, Any]:
-            return {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text}
-
-        results = [choice(i, c.finish_reason, content(c), c.stop_reason) for i, c in enumerate(choices)]
-        return JSONResponse({**header, "choices": results, "usage": total_usage(choices)})
+        # vLLM's prompt_logprobs: on each choice for completions, beside the choices for chat.
+        scored = params.prompt_logprobs is not None
+        results = []
+        for i, c in enumerate(choices):
+            text, ids, entries, _ = c.take(c.text)
+            content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            logprobs = render_logprobs(renderer, chat, ids, entries)
+            results.append(choice(i, c.finish_reason, content, c.stop_reason, logprobs))
+            if scored and not chat:
+                results[-1]["prompt_logprobs"] = c.prompt_logprobs_field()
+        response = {**header, "choices": results, "usage": total_usage(choices)}
+        if scored and chat:
+            response["prompt_logprobs"] = choices[0].prompt_logprobs_field()
+        return JSONResponse(response)
 
     async def _events(
-        self, streams: list[RequestStream], choices: list[Choice], header: dict[str, Any], body: OpenAIRequest
+        self,
+        streams: list[RequestStream],
+        choices: list[Choice],
+        header: dict[str, Any],
+        body: OpenAIRequest,
+        renderer: LogprobsRenderer | None,
     ) -> AsyncIterator[str]:
         chat = isinstance(body, ChatCompletionRequest)
 
-        def chunk(i: int, text: str | None, finish_reason: str | None, role: bool = False) -> str:
+        def chunk(i: int, new_text: str, finish_reason: str | None) -> str:
             # A chunk that finishes a choice reports its stop_reason (Choice.update saw it first).
             stop = choices[i].stop_reason if finish_reason is not None else None
-            if not chat:
-                return sse({**header, "choices": [choice(i, finish_reason, {"text": text}, stop)]})
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if text:
-                delta["content"] = text
-            return sse({**header, "choices": [choice(i, finish_reason, {"delta": delta}, stop)]})
+            text, ids, entries, offset = choices[i].take(new_text)
+            logprobs = render_logprobs(renderer, chat, ids, entries, offset)
+            content = {"delta": {"content": text} if text else {}} if chat else {"text": text}
+            return sse({**header, "choices": [choice(i, finish_reason, content, stop, logprobs)]})
 
         if chat:  # OpenAI's first chat chunk announces the role; content follows in later deltas.
-            yield chunk(0, None, None, role=True)
+            yield sse({**header, "choices": [choice(0, None, {"delta": {"role": "assistant", "content": ""}})]})
         async for event in stream_events(streams, lambda i, out: choices[i].update(out), chunk):
             yield event
         if body.include_usage:
@@ -258,13 +345,26 @@ class OpenAIServing:
 
 
 def choice(
-    index: int, finish_reason: str | None, content: dict[str, Any], stop_reason: int | str | None = None
+    index: int,
+    finish_reason: str | None,
+    content: dict[str, Any],
+    stop_reason: int | str | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One entry of ``choices``: ``content`` is ``{"text": ...}``, ``{"message": ...}`` or ``{"delta": ...}``.
 
     ``stop_reason`` is vLLM's addition: the stop string or ``stop_token_ids`` entry that ended
     the choice (None for EOS, a length stop, or while it runs)."""
-    return {"index": index, **content, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
+    return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def render_logprobs(
+    renderer: LogprobsRenderer | None, chat: bool, token_ids: list[int], entries: list[LogprobEntry], offset: int = 0
+) -> dict[str, Any] | None:
+    """A choice's (or chunk's) ``logprobs`` object, None where none were asked for."""
+    if renderer is None:
+        return None
+    return renderer.chat(token_ids, entries) if chat else renderer.completion(token_ids, entries, offset)
 
 
 # The generation_config.json keys vLLM reads as sampling defaults (ModelConfig's

@@ -34,14 +34,14 @@ def check_supported_sampling(self) -> None:
 
 
 def check_supported_completion(self) -> None:
-    """The shared checks, which judge every field by this endpoint's table: ``logprobs``,
-    ``echo``, ``best_of`` other than 1 and a ``suffix`` are refused there too.
+    """The shared checks, which judge every field by this endpoint's table: ``best_of``
+    other than 1, a ``suffix`` and ``prompt_embeds`` are refused there too.
 
     Becomes ``CompletionRequest.check_supported`` (a method: ``self`` is the CompletionRequest).
     Call parent methods as ``Parent.method(self, ...)``, not ``super()``.
 
     Hint: Run the shared checks, _SamplingFields.check_supported(self): they judge every field
-    by this endpoint's own table, CompletionRequest.KNOWN_FIELDS (its neutral values for echo,
+    by this endpoint's own table, CompletionRequest.KNOWN_FIELDS (its neutral values for
     best_of, suffix, ...), so a completion request refuses what the engine would silently
     ignore.
 

@@ -1,2 +1,2 @@
 def check_supported_completion(self):
-    """Skips the shared checks, so logprobs, echo, best_of and n pass silently and are ignored."""
+    """Skips the shared checks, so best_of, suffix and n pass silently and are ignored."""
