@@ -42,6 +42,9 @@ class _Stream:
     scheduled: float | None = None
     first_token_time: float | None = None
     max_tokens: int | None = None
+    # SamplingParams.n: the request ends with its n-th finished output (one per completion).
+    n: int = 1
+    num_finished: int = 0
 
 
 @dataclass
@@ -63,12 +66,17 @@ _SHUTDOWN = object()
 
 
 class RequestStream:
-    """The outputs of one request, as an async iterator; ``abort()`` cancels it in the engine."""
+    """The outputs of one request, as an async iterator; ``abort()`` cancels it in the engine.
+
+    With ``n`` > 1 the outputs of its completions come interleaved (``index`` tells them apart),
+    and the stream ends after the last of their ``n`` finished outputs.
+    """
 
     def __init__(self, owner: AsyncLLM, request_id: str, stream: _Stream):
         self.owner = owner
         self.request_id = request_id
         self._stream = stream
+        self._num_finished = 0  # the engine thread counts its own in stream.num_finished
         self.finished = False
 
     async def __aiter__(self) -> AsyncIterator[Any]:
@@ -77,7 +85,8 @@ class RequestStream:
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
-            self.finished = item.finished
+            self._num_finished += item.finished
+            self.finished = self._num_finished == self._stream.n
             yield item
 
     def abort(self) -> None:
@@ -128,7 +137,8 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop=loop, queue=asyncio.Queue(), arrival=time.perf_counter())
+        n = getattr(params, "n", 1)  # a bad value is the engine's error, and then no stream is read
+        stream = _Stream(loop=loop, queue=asyncio.Queue(), arrival=time.perf_counter(), n=n)
         accepted = loop.create_future()
         self._commands.put(_Add(request_id, prompt, params, priority, stream, accepted))
         try:
@@ -200,11 +210,13 @@ class AsyncLLM:
 
     def _abort(self, request_id: str) -> None:
         self._unscheduled.discard(request_id)
-        if self._streams.pop(request_id, None) is None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
             return
         self.engine.abort_request(request_id)
         if self.metrics is not None:
-            self.metrics.request_finished("abort")
+            for _ in range(stream.n - stream.num_finished):  # per completion, as finished ones count
+                self.metrics.request_finished("abort")
 
     def _dispatch(self, outputs: list[RequestOutput], step_start: float | None = None) -> None:
         now = time.perf_counter()
@@ -218,15 +230,19 @@ class AsyncLLM:
                 self._unscheduled.discard(request_id)
                 if (stream := self._streams.get(request_id)) is not None:
                     stream.scheduled = step_start
+        stepped: set[str] = set()  # n > 1: a step's tokens of several completions are one step
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted by its client while the step ran
-            if out.new_token_ids:
+            if out.new_token_ids and out.request_id not in stepped:
+                stepped.add(out.request_id)
                 self._observe_token_step(stream, now)
             if out.finished:
-                del self._streams[out.request_id]
-                self._unscheduled.discard(out.request_id)
+                stream.num_finished += 1
+                if stream.num_finished == stream.n:
+                    del self._streams[out.request_id]
+                    self._unscheduled.discard(out.request_id)
                 if self.metrics is not None:
                     self.metrics.e2e_request_latency.observe(now - stream.arrival)
                     self.metrics.request_finished(out.finish_reason or "stop")

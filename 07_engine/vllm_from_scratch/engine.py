@@ -16,16 +16,18 @@ One :meth:`LLMEngine.step`::
 The :class:`scheduler.SchedulerOutput` is the one hand-off: the model runner reads it and
 nothing else, and the outputs are made from it after the update.
 ``add_request``/``step``/``abort_request`` are the streaming interface the OpenAI server drives;
-:class:`vllm_from_scratch.llm.LLM` drives the same loop for offline batches.
+:class:`vllm_from_scratch.llm.LLM` drives the same loop for offline batches. A request with
+``SamplingParams.n`` > 1 runs as ``n`` child requests (:class:`ParentRequest`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -71,7 +73,9 @@ class RequestOutput:
     entry that matched, or None for EOS (and while running), as vLLM's ``CompletionOutput``.
     ``logprobs`` (one dict per generated token so far: the last ``len(new_token_ids)`` are
     this step's), ``cumulative_logprob`` and ``prompt_logprobs`` are vLLM's, None unless the
-    request's ``SamplingParams`` asked for them.
+    request's ``SamplingParams`` asked for them. ``index`` says which of the request's ``n``
+    completions the record is about (0 when ``n`` is 1); the fields above are that completion's,
+    and ``prompt_logprobs`` come with completion 0.
     """
 
     request_id: str
@@ -87,6 +91,7 @@ class RequestOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    index: int = 0
 
 
 class IncrementalDetokenizer:
@@ -118,7 +123,8 @@ class IncrementalDetokenizer:
 
 class EngineRequest(Request):
     """Chapter 04's ``Request`` plus what only the engine needs: sampling settings, a seeded
-    generator, the detokenizer and how much text has been streamed."""
+    generator, the detokenizer and how much text has been streamed. ``index`` is its completion's
+    index when it is one of a :class:`ParentRequest`'s children (0 otherwise)."""
 
     def __init__(
         self,
@@ -131,6 +137,7 @@ class EngineRequest(Request):
         tokenizer: PreTrainedTokenizerBase | None,
         priority: int = 0,
         device: torch.device | str = "cpu",
+        index: int = 0,
     ):
         super().__init__(
             request_id,
@@ -143,6 +150,7 @@ class EngineRequest(Request):
             block_size=block_size,
         )
         self.sampling_params = params
+        self.index = index
         self.stop_strings = list(params.stop or ())  # a list once SamplingParams is validated
         # On the device that samples: ATen refuses a CPU generator for CUDA noise.
         self.generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
@@ -171,6 +179,55 @@ class EngineRequest(Request):
         # So are the logprob results (workers read what to score from sampling_params).
         state["logprobs"] = state["prompt_logprobs"] = None
         return state
+
+
+def child_request_id(index: int, parent_id: str) -> str:
+    """The internal id of completion ``index`` of request ``parent_id`` (vLLM's spelling)."""
+    return f"{index}_{parent_id}"
+
+
+@dataclass
+class ParentRequest:
+    """A request with ``SamplingParams.n`` > 1: one child :class:`EngineRequest` per completion,
+    as vLLM V1's ``ParentRequest`` (``vllm/v1/engine/parallel_sampling.py``).
+
+    Child ``i`` is the request :func:`child_request_id` ``(i, request_id)`` with
+    ``params.child_params(i)``; the scheduler runs children as independent requests, and the
+    engine reports their outputs under ``request_id`` with ``index=i``. ``unfinished_ids`` are
+    the children that have not reported their finished output (vLLM's ``child_requests``).
+
+    Sharing the prompt. The children's prompts are equal, so their full prompt blocks should be
+    computed once and held by all ``n`` (reference count ``n``): the fork after prefill of vLLM
+    V0's sequence groups. vLLM V1 has no fork; its prefix cache registers a block's hash when it
+    allocates the block, so children admitted in the same step as child 0 already hit the blocks
+    child 0 is filling. Chapter 03's cache registers a block once a forward has computed it
+    (``cache_full_blocks``), so children admitted beside child 0 would each compute the prompt.
+    Here child 0 is queued at once and the others wait in ``parked``, outside the scheduler,
+    until child 0 has computed its whole prompt (or ended); then each finds the full prompt
+    blocks in the cache and computes only the rest (its last partial block; a whole last block
+    when the prompt fills whole blocks, as the last token is always computed). Without prefix
+    caching, or with a prompt too short to fill a block before its last token, there is nothing
+    to share: every child is queued at once and computes its own prompt.
+    """
+
+    request_id: str
+    children: list[EngineRequest]
+    parked: list[EngineRequest] = field(default_factory=list)
+    unfinished_ids: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.unfinished_ids = {c.request_id for c in self.children}
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.children[0].prompt_token_ids
+
+    @property
+    def prompt_computed(self) -> bool:
+        """Whether child 0 has computed its whole prompt (or ended), so its full prompt blocks
+        are in the prefix cache for the parked children."""
+        first = self.children[0]
+        return first.is_finished or first.num_computed_tokens >= first.num_prompt_tokens
 
 
 def encode_prompt(
@@ -263,7 +320,10 @@ class LLMEngine:
         self.kv_connector = self._make_kv_connector()
         self.scheduler = self._make_scheduler()
         self.drafter = self._make_drafter(num_blocks)
-        self.requests: dict[str, EngineRequest] = {}
+        self.requests: dict[str, EngineRequest] = {}  # live requests by id (children by theirs)
+        self.parents: dict[str, ParentRequest] = {}  # n > 1, until every child has reported its end
+        self._parent_of: dict[str, ParentRequest] = {}  # child id -> parent, until it reported its end
+        self._forking: list[ParentRequest] = []  # parents with parked children
         self._pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
@@ -326,14 +386,14 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         fit_max_tokens: bool = True,
-    ) -> EngineRequest:
+    ) -> EngineRequest | ParentRequest:
         """Validate everything about a request and build it, without queueing it.
 
         This is the engine's one validation: it raises :class:`ParameterError` naming the
         argument. ``LLM.generate`` builds every request first, so a bad prompt anywhere in a
         batch raises before anything is scheduled. ``priority`` matters with
         ``scheduling_policy="priority"``: lower values are served first. ``fit_max_tokens``: see
-        :func:`resolve_max_tokens`.
+        :func:`resolve_max_tokens`. With ``params.n`` > 1 it builds a :class:`ParentRequest`.
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -344,10 +404,33 @@ class LLMEngine:
         token_ids = encode_prompt(self.tokenizer, prompt, self.config.vocab_size, self.max_model_len)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ParameterError("request_id", f"{request_id!r} is already in use")
+        child_ids = [child_request_id(i, request_id) for i in range(params.n)] if params.n > 1 else []
+        for rid in (request_id, *child_ids):
+            if rid in self.requests or rid in self.parents:
+                runs_as = f" (its completions run as {child_ids[0]!r}...)" if rid != request_id else ""
+                raise ParameterError("request_id", f"{rid!r} is already in use{runs_as}")
         max_tokens = resolve_max_tokens(params.max_tokens, len(token_ids), self.max_model_len, fit_max_tokens)
-        req = EngineRequest(
+        if not child_ids:
+            req = self._new_request(request_id, token_ids, params, max_tokens, priority)
+            self.scheduler.check_schedulable(req)  # e.g. more KV blocks than the whole cache
+            return req
+        children = [
+            self._new_request(rid, token_ids, params.child_params(i), max_tokens, priority, i)
+            for i, rid in enumerate(child_ids)
+        ]
+        self.scheduler.check_schedulable(children[0])  # the children differ only in seed
+        return ParentRequest(request_id, children)
+
+    def _new_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        priority: int,
+        index: int = 0,
+    ) -> EngineRequest:
+        return EngineRequest(
             request_id,
             token_ids,
             params,
@@ -357,9 +440,8 @@ class LLMEngine:
             self.tokenizer,
             priority,
             self.config.torch_device,
+            index,
         )
-        self.scheduler.check_schedulable(req)  # e.g. more KV blocks than the whole cache
-        return req
 
     def _check_sampling_support(self, params: SamplingParams) -> None:
         """What :meth:`SamplingParams.validate` cannot know: the vocabulary, and which fields
@@ -390,46 +472,88 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | list[int] | EngineRequest,
+        prompt: str | list[int] | EngineRequest | ParentRequest,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
         fit_max_tokens: bool = True,
     ) -> str:
-        """Queue a request; returns its id. Raises ``ValueError`` (and queues nothing) on bad input."""
-        if isinstance(prompt, EngineRequest):
+        """Queue a request; returns its id. Raises ``ValueError`` (and queues nothing) on bad input.
+
+        With ``n`` > 1 its ``n`` children are queued as :class:`ParentRequest` says: child 0 at
+        once, the others once child 0's prompt is in the prefix cache.
+        """
+        if isinstance(prompt, (EngineRequest, ParentRequest)):
             req = prompt
         else:
             req = self.make_request(prompt, params, request_id, priority, fit_max_tokens)
-        self.scheduler.add_request(req)
-        self.requests[req.request_id] = req
+        if isinstance(req, EngineRequest):
+            self._queue(req)
+            return req.request_id
+        first, *rest = req.children
+        self._queue(first)
+        self.parents[req.request_id] = req
+        self._parent_of.update((child.request_id, req) for child in req.children)
+        bm = self.block_manager
+        if isinstance(bm, PrefixCachingBlockManager) and bm.max_hit_blocks(first) > 0:
+            req.parked = rest
+            self._forking.append(req)
+            self.requests.update((child.request_id, child) for child in rest)
+        else:
+            for child in rest:
+                self._queue(child)
         return req.request_id
 
+    def _queue(self, req: EngineRequest) -> None:
+        self.scheduler.add_request(req)
+        self.requests[req.request_id] = req
+
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request wherever it is and free its blocks; the next ``step`` reports it."""
+        """Stop a request wherever it is and free its blocks; the next ``step`` reports it.
+
+        The id of a request with ``n`` > 1 stops each of its unfinished completions, parked
+        ones included; each is reported with its ``index``.
+        """
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return self._abort(request_id)
+        parked, parent.parked = parent.parked, []
+        if parked:
+            self._forking.remove(parent)
+        for child in parked:
+            child.status = RequestStatus.FINISHED_ABORTED  # never queued: it holds no blocks
+            self._report_abort(child)
+        aborted = [self._abort(child.request_id) for child in parent.children]
+        return bool(parked) or any(aborted)
+
+    def _abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
         if req is None or not self.scheduler.abort_request(request_id):
             return False
+        self._report_abort(req)
+        return True
+
+    def _report_abort(self, req: EngineRequest) -> None:
         self._pending_outputs.append(self._finish(req, "abort", []))
         if self.tracer is not None:
             self.tracer.record_abort(req)
-        return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_requests()
+        return self.scheduler.has_requests() or bool(self._forking)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, fold the results back; outputs of requests that advanced."""
         start = time.perf_counter() if self.tracer is not None else 0.0
         outputs, self._pending_outputs = self._pending_outputs, []
+        self._queue_parked_children()
         if self.kv_connector is not None:
             self._load_remote_kv(self.kv_connector)
         if self.drafter is not None:
             self.drafter.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty():
-            return outputs
+            return self._parent_outputs(outputs)
         if self.kv_connector is not None:
             sched.kv_connector_metadata = self.kv_connector.build_connector_meta(sched)
         num_tokens_before = {r.request_id: r.num_tokens for r in sched.sampling_requests}
@@ -445,7 +569,37 @@ class LLMEngine:
             self.drafter.release(sched.finished_request_ids | {o.request_id for o in outputs if o.finished})
         if self.tracer is not None:
             self.tracer.on_step(sched, sampled, outputs, start, time.perf_counter() - start)
-        return outputs
+        return self._parent_outputs(outputs)
+
+    def _queue_parked_children(self) -> None:
+        """Queue the parked children of each parent whose child 0 has computed its prompt."""
+        forking = []
+        for parent in self._forking:
+            if not parent.prompt_computed:
+                forking.append(parent)
+                continue
+            for child in parent.parked:
+                self.scheduler.add_request(child)
+            parent.parked = []
+        self._forking = forking
+
+    def _parent_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The step's outputs as callers see them: a child's under its parent's id (its ``index``
+        tells the completion). Inside the step (drafter, tracer) they keep the child's own id."""
+        if not self._parent_of:
+            return outputs
+        public = []
+        for out in outputs:
+            parent = self._parent_of.get(out.request_id)
+            if parent is not None:
+                if out.finished:
+                    del self._parent_of[out.request_id]
+                    parent.unfinished_ids.discard(out.request_id)
+                    if not parent.unfinished_ids:
+                        del self.parents[parent.request_id]
+                out = dataclasses.replace(out, request_id=parent.request_id)
+            public.append(out)
+        return public
 
     def _fold_logprobs(self, sched: SchedulerOutput) -> None:
         """Add the step's logprobs to their requests: one dict per sampled token, and prompt
@@ -487,6 +641,8 @@ class LLMEngine:
     def _process(self, req: EngineRequest, new_ids: list[int]) -> RequestOutput:
         """Detokenize ``req``'s new tokens, apply its stop strings, and report the step."""
         if len(new_ids) == req.num_completion_tokens:
+            # Each child of an n > 1 request counts its prompt, as vLLM counts each child's
+            # prefill; the part a child found in the prefix cache is in prefix_cache_hits.
             self.prompt_tokens_total += req.num_prompt_tokens
         self.generation_tokens_total += len(new_ids)
         # The scheduler has already stopped a request on EOS or a stop token: as vLLM's
@@ -563,6 +719,7 @@ class LLMEngine:
             logprobs=None if req.logprobs is None else list(req.logprobs),
             cumulative_logprob=req.cumulative_logprob,
             prompt_logprobs=req.prompt_logprobs,
+            index=req.index,
         )
 
     # ------------------------------------------------------------------ observation
@@ -571,7 +728,7 @@ class LLMEngine:
         s = self.scheduler.get_stats()
         return {
             "num_requests_running": s["num_running"],
-            "num_requests_waiting": s["num_waiting"],
+            "num_requests_waiting": s["num_waiting"] + sum(len(p.parked) for p in self._forking),
             "kv_cache_usage": s["kv_cache_usage"],
             "prefix_cache_queries": s.get("prefix_cache_queries", 0),
             "prefix_cache_hits": s.get("prefix_cache_hits", 0),

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from tqdm.auto import tqdm
 
 from vllm_from_scratch.chat_utils import render_chat
-from vllm_from_scratch.engine import LLMEngine
+from vllm_from_scratch.engine import EngineRequest, LLMEngine, ParentRequest
+from vllm_from_scratch.engine import RequestOutput as EngineOutput
 from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.outputs import CompletionOutput, RequestOutput
 from vllm_from_scratch.sampling_params import SamplingParams
@@ -112,6 +113,42 @@ def _check_conversation(conversation: object, where: str) -> Conversation:
     return checked
 
 
+def _num_completions(req: EngineRequest | ParentRequest) -> int:
+    return len(req.children) if isinstance(req, ParentRequest) else 1
+
+
+def _request_output(
+    request_id: str, prompt: str | None, prompt_token_ids: list[int], finished: dict[int, EngineOutput]
+) -> RequestOutput:
+    """vLLM's result of one prompt from the engine's last record of each completion.
+
+    The prompt's own facts come from completion 0, which scored the prompt (``prompt_logprobs``)
+    and computed it: its ``num_cached_tokens`` are the request's prefix-cache hits.
+    """
+    outs = [finished[i] for i in range(len(finished))]
+    completions = [
+        CompletionOutput(
+            index=out.index,
+            text=out.text,
+            token_ids=out.completion_token_ids,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            cumulative_logprob=out.cumulative_logprob,
+            logprobs=out.logprobs,
+        )
+        for out in outs
+    ]
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids,
+        prompt_logprobs=outs[0].prompt_logprobs,
+        outputs=completions,
+        finished=True,
+        num_cached_tokens=outs[0].num_cached_tokens,
+    )
+
+
 class LLM:
     """Load a model and generate for many prompts at once (vLLM's ``vllm.LLM``).
 
@@ -152,7 +189,8 @@ class LLM:
         per prompt (None: ``SamplingParams()``). ``priority``: a list with one int per prompt,
         lower first, under ``scheduling_policy="priority"`` (vLLM's type; a bare int is refused).
         Every prompt is validated before any is scheduled: one bad prompt raises ``ValueError``
-        and leaves the engine idle.
+        and leaves the engine idle. With ``SamplingParams(n=...)`` each result holds ``n``
+        completions in index order; the progress bar counts prompts.
         """
         return self._run(parse_prompts(prompts), sampling_params, use_tqdm, priority)
 
@@ -223,32 +261,19 @@ class LLM:
         order = {r.request_id: i for i, r in enumerate(requests)}
         for req in requests:
             engine.add_request(req)
-        results: dict[int, RequestOutput] = {}
+        finished: list[dict[int, EngineOutput]] = [{} for _ in requests]
         with tqdm(total=n, desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
                         i = order[out.request_id]
-                        completion = CompletionOutput(
-                            index=0,
-                            text=out.text,
-                            token_ids=out.completion_token_ids,
-                            finish_reason=out.finish_reason,
-                            stop_reason=out.stop_reason,
-                            cumulative_logprob=out.cumulative_logprob,
-                            logprobs=out.logprobs,
-                        )
-                        results[i] = RequestOutput(
-                            request_id=out.request_id,
-                            prompt=prompts[i][0],
-                            prompt_token_ids=requests[i].prompt_token_ids,
-                            prompt_logprobs=out.prompt_logprobs,
-                            outputs=[completion],
-                            finished=True,
-                            num_cached_tokens=out.num_cached_tokens,
-                        )
-                        bar.update(1)
-        return [results[i] for i in range(n)]
+                        finished[i][out.index] = out
+                        if len(finished[i]) == _num_completions(requests[i]):
+                            bar.update(1)
+        return [
+            _request_output(req.request_id, text, req.prompt_token_ids, outs)
+            for req, (text, _), outs in zip(requests, prompts, finished)
+        ]
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()

@@ -38,10 +38,10 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One completion of a request (vLLM's fields; ``n`` > 1 would give several).
+    """One completion of a request (vLLM's fields; ``SamplingParams.n`` gives ``n`` of them).
 
     Args:
-        index: which completion of the request this is (0 while ``n`` is 1).
+        index: which of the request's ``n`` completions this is, from 0.
         text: the generated text, cut before a stop string that ended it.
         token_ids: the generated token ids (a stop token that ended it included, as in vLLM).
         cumulative_logprob: the sum of the sampled tokens' log-probabilities; None unless
@@ -79,9 +79,10 @@ class RequestOutput:
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt token:
             None for the first (nothing predicts it), then ``{token_id: Logprob}`` of that token
             and the most likely ones at its position; None unless requested.
-        outputs: the completions (one while ``n`` is 1).
+        outputs: the ``n`` completions, in index order.
         finished: whether the request has ended (always True from ``LLM.generate``).
-        num_cached_tokens: prompt tokens that were not computed (prefix-cache hits).
+        num_cached_tokens: prompt tokens that were not computed (prefix-cache hits); with
+            ``n`` > 1, completion 0's, the one that computed the prompt for the others.
 
     ``out["text"]``, ``out["token_ids"]`` and ``out["num_cached_tokens"]`` are the book's
     shorthand, from the source documents' dict results: the first completion's text and token

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,8 @@ class SamplingParams:
     """Per-request sampling settings (vLLM's names and defaults).
 
     Args:
+        n: completions to sample for the prompt (>= 1), returned in ``RequestOutput.outputs``
+            in index order. Each runs as its own request: :meth:`child_params` gives its settings.
         temperature: softmax temperature; below 1e-5 means greedy (argmax). vLLM's default 1.0.
         top_p: keep the smallest set of tokens whose probability reaches ``top_p``; in (0, 1].
         top_k: keep the ``top_k`` most likely tokens; -1 (or 0) keeps all.
@@ -62,6 +65,7 @@ class SamplingParams:
         include_stop_str_in_output: keep the stop string, or the stop token's text, at the end
             of ``text`` (vLLM's; default False).
         seed: a per-request random seed: the same seed gives the same sample whatever the batch.
+            With ``n`` > 1, completion ``i`` samples with ``seed + i`` (vLLM's rule).
         presence_penalty: subtracted once from the logit of every token already generated; in
             [-2, 2] (vLLM V1: over output tokens only).
         frequency_penalty: subtracted from a token's logit once per time it was generated; in
@@ -80,10 +84,12 @@ class SamplingParams:
             top-k and top-p); None: none. >= 0.
         prompt_logprobs: the same for every prompt token after the first; None: none. >= 0.
             Such a request takes no prefix-cache hits: its prompt is recomputed to score it.
+            With ``n`` > 1 only completion 0 scores the prompt (once for the request).
 
     Every rule lives in :meth:`validate`, which raises :class:`ParameterError` naming the field.
     """
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -116,6 +122,7 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        check_int("n", self.n, 1)
         check_float("temperature", self.temperature, 0.0)
         check_float("top_p", self.top_p, 0.0, 1.0, low_inclusive=False)
         check_int("top_k", self.top_k, -1)
@@ -133,6 +140,9 @@ class SamplingParams:
             check_int("stop_token_ids", t, 0)
         if self.seed is not None:
             check_int("seed", self.seed, -(2**63), 2**64 - 1)
+            if self.seed + self.n - 1 > 2**64 - 1:
+                bad = f"got {self.seed} with n={self.n}"
+                raise ParameterError("seed", f"+ n - 1 must fit in 64 bits (completion i samples with seed + i), {bad}")
         check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         check_float("repetition_penalty", self.repetition_penalty, 0.0, low_inclusive=False)
@@ -151,6 +161,22 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 0)
+
+    def child_params(self, index: int) -> SamplingParams:
+        """The settings of completion ``index`` of ``n``: one sample, as vLLM's
+        ``ParentRequest.get_child_info`` derives them (``vllm/v1/engine/parallel_sampling.py``).
+
+        ``seed + index`` when seeded, so each completion is reproducible and equals an ``n=1``
+        request with that seed; ``prompt_logprobs`` on completion 0 only, so the prompt is scored
+        once (vLLM scores it in every child) and the other completions may take prefix-cache hits.
+        """
+        check_int("index", index, 0, self.n - 1)
+        return dataclasses.replace(
+            self,
+            n=1,
+            seed=None if self.seed is None else self.seed + index,
+            prompt_logprobs=self.prompt_logprobs if index == 0 else None,
+        )
 
     @property
     def uses_penalties(self) -> bool:
