@@ -90,7 +90,7 @@ def bad_requests(limit: int) -> list[BadRequest]:
         BadRequest("deep nesting", "/v1/completions", b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400),
         BadRequest("invalid UTF-8", "/v1/completions", b'{"prompt": "\xff\xfe\xfd"}', 400),
         BadRequest("unknown model", "/v1/completions", _json({"prompt": "hi", "model": "gpt-4o"}), 404, "model"),
-        BadRequest("n=2", "/v1/completions", _json({"prompt": "hi", "n": 2}), 400, "n"),
+        BadRequest("n=0", "/v1/completions", _json({"prompt": "hi", "n": 0}), 400, "n"),
         BadRequest(
             "huge seed", "/v1/completions", b'{"prompt": "hi", "seed": 123456789012345678901234567890}', 400, "seed"
         ),

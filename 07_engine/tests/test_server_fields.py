@@ -181,17 +181,27 @@ def test_every_field_is_honoured_or_refused_by_name(client, engine, path):
         got = getattr(params, field)
         want = {5: 1.0} if field == "logit_bias" else value
         assert got == want, (field, got, want)
-    assert {"temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos"} <= set(honoured)
+    assert {"temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n"} <= set(honoured)
     assert {"logprobs", "prompt_logprobs", "return_tokens_as_token_ids"} <= set(honoured)
     chat = "tools" in ENDPOINT_FIELDS[path]
-    assert {"n", "guided_json", *(("tools", "echo") if chat else ("best_of",))} <= set(refused)
+    assert {"guided_json", *(("tools", "echo") if chat else ("best_of",))} <= set(refused)
     assert ("top_logprobs" in refused) == chat, "top_logprobs without logprobs: true is refused by name"
     assert ("echo" in honoured) == (not chat), "completions' echo is rendered, chat's is not implemented"
 
 
 def test_refusals_say_the_field_is_not_supported(client):
+    err = assert_error(client.post("/v1/completions", json={"prompt": "hi", "suffix": "!"}), 400, "suffix")
+    assert err["message"] == "not supported by this engine: suffix='!'"
+
+
+def test_best_of_is_refused_as_vllm_removed_it(client):
+    """vLLM >= 0.19 has no best_of (null and 1 only): the refusal says what to ask for instead."""
     err = assert_error(client.post("/v1/completions", json={"prompt": "hi", "best_of": 2}), 400, "best_of")
-    assert err["message"].startswith("not supported by this engine: best_of")
+    assert err["message"].startswith("not supported by this engine: best_of=2; vLLM removed best_of")
+    assert "n completions with logprobs" in err["message"]
+    for neutral in (None, 1):
+        resp = client.post("/v1/completions", json={**BASES["/v1/completions"], "best_of": neutral})
+        assert resp.status_code == 200, resp.text
 
 
 def test_values_that_ask_for_nothing_are_accepted(client):

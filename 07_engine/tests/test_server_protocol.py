@@ -35,7 +35,9 @@ JSON = {"content-type": "application/json"}
 
 
 class ScriptedEngine:
-    """Echoes each prompt's token ids back, one per step, until ``max_tokens``."""
+    """Echoes each prompt's token ids back, one per step, until ``max_tokens``. With ``n`` > 1,
+    completion ``k`` starts ``k`` tokens into the prompt, and its outputs carry ``index=k``
+    under the request's id, as ``LLMEngine`` reports a parent's children."""
 
     max_model_len = 64
     vocab_size = 49152
@@ -62,7 +64,8 @@ class ScriptedEngine:
         check_int("priority", priority, -(2**63))
         prompt = encode_prompt(None, prompt, self.vocab_size, self.max_model_len)
         max_tokens = resolve_max_tokens(params.max_tokens, len(prompt), self.max_model_len, fit_max_tokens)
-        self.requests[request_id] = dict(prompt=prompt, params=params, max_tokens=max_tokens, out=[])
+        outs = [[] for _ in range(params.n)]
+        self.requests[request_id] = dict(prompt=prompt, params=params, max_tokens=max_tokens, outs=outs)
         self.priorities[request_id] = priority
         self.params[request_id] = params
         self.stats["prompt_tokens_total"] += len(prompt)
@@ -81,27 +84,23 @@ class ScriptedEngine:
         for rid, r in list(self.requests.items()):
             if CRASH_TOKEN in r["prompt"]:
                 raise RuntimeError("scripted crash")
-            tok = r["prompt"][len(r["out"]) % len(r["prompt"])]
-            r["out"].append(tok)
-            self.stats["generation_tokens_total"] += 1
-            piece = self.tokenizer.decode([tok])
-            done = len(r["out"]) >= r["max_tokens"]
-            if done:
+            for k, out in enumerate(r["outs"]):
+                if len(out) < r["max_tokens"]:
+                    outputs.append(self._next_output(rid, r, k, out))
+            if all(len(out) >= r["max_tokens"] for out in r["outs"]):
                 del self.requests[rid]
-            outputs.append(
-                RequestOutput(
-                    rid,
-                    [tok],
-                    list(r["out"]),
-                    piece,
-                    "".join(self.tokenizer.decode([t]) for t in r["out"]),
-                    done,
-                    "length" if done else None,
-                    len(r["prompt"]),
-                    0,
-                )
-            )
         return outputs
+
+    def _next_output(self, rid, r, k, out):
+        tok = r["prompt"][(len(out) + k) % len(r["prompt"])]
+        out.append(tok)
+        self.stats["generation_tokens_total"] += 1
+        done = len(out) >= r["max_tokens"]
+        text = "".join(self.tokenizer.decode([t]) for t in out)
+        reason = "length" if done else None
+        return RequestOutput(
+            rid, [tok], list(out), self.tokenizer.decode([tok]), text, done, reason, len(r["prompt"]), 0, index=k
+        )
 
     def get_stats(self):
         return dict(
@@ -221,7 +220,7 @@ def test_batched_prompts_give_one_choice_each(client, tokenizer):
     "payload, status, param",
     [
         ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
-        ({"prompt": "hi", "n": 2}, 400, "n"),
+        ({"prompt": "hi", "length_penalty": 0.5}, 400, "length_penalty"),
         ({"prompt": "hi", "suffix": "!"}, 400, "suffix"),
         ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
         ({"prompt": "hi", "prompt_embeds": "AAAA"}, 400, "prompt_embeds"),
@@ -236,6 +235,12 @@ def test_batched_prompts_give_one_choice_each(client, tokenizer):
         ({"prompt": list(range(10, 60)), "max_tokens": 30}, 400, "max_tokens"),
         ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
         ({"max_tokens": 3}, 400, "prompt"),
+        # n is SamplingParams' to judge (its one rule), named in the 400 all the same.
+        ({"prompt": "hi", "n": 0}, 400, "n"),
+        ({"prompt": "hi", "n": -1}, 400, "n"),
+        ({"prompt": "hi", "n": 1.5}, 400, "n"),
+        ({"prompt": "hi", "n": True}, 400, "n"),
+        ({"prompt": "hi", "n": "2"}, 400, "n"),
     ],
 )
 def test_bad_completion_requests_get_openai_errors(client, payload, status, param):
@@ -245,7 +250,7 @@ def test_bad_completion_requests_get_openai_errors(client, payload, status, para
 
 
 def test_completion_checks_include_the_shared_sampling_checks():
-    for field, value in [("n", 2), ("use_beam_search", True), ("guided_regex", "a+")]:
+    for field, value in [("length_penalty", 0.5), ("use_beam_search", True), ("guided_regex", "a+")]:
         with pytest.raises(APIError) as refused:
             CompletionRequest(prompt="hi", **{field: value}).check_supported()
         assert refused.value.param == field, (
@@ -344,7 +349,7 @@ def test_cancelled_stream_aborts_its_engine_request(engine):
             received = []
 
             async def consume():
-                async for event in stream_events([stream], lambda i, out: None, lambda i, t, f: t):
+                async for event in stream_events([stream], lambda i, out: out.new_text):
                     received.append(event)
 
             task = asyncio.ensure_future(consume())

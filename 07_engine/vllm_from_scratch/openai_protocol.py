@@ -4,11 +4,12 @@ The models check the JSON's *shape*; its *values* are the engine's to judge (``S
 and ``LLMEngine.make_request``), so each rule is written once. No field is silently ignored:
 every field OpenAI's or vLLM's API defines is listed once (:data:`COMPLETION_FIELDS`,
 :data:`CHAT_FIELDS`); a ``SamplingParams`` field passes straight to the engine, one the engine
-cannot honour (``n > 1``, tools, ...) is refused with a 400 naming it unless it asks for
+cannot honour (``best_of`` > 1, tools, ...) is refused with a 400 naming it unless it asks for
 nothing, and a field no API defines is refused too: a client that asks for three samples and
 gets one, or misspells ``temperature``, has a bug it cannot see. The logprobs fields and
 completions' ``echo`` are declared on the models: they change the response, which the server
-renders (``openai_logprobs``), as well as the ``SamplingParams``.
+renders (``openai_logprobs``), as well as the ``SamplingParams``. ``n`` passes to the engine
+like any sampling field; the server lays out its choices from the validated ``SamplingParams.n``.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False  # vLLM's: usage in every chunk (refused below)
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, usage in every chunk
 
 
 # ---- every request field OpenAI's API or vLLM's server defines, written once ------------------
@@ -186,12 +187,20 @@ CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
     "chat_template_kwargs": (),
     "mm_processor_kwargs": (),
 }
-# SamplingParams fields whose effect shows in the *response* (more choices, logprobs, the
-# prompt echoed): passing them to the engine is not enough, the server has to render them, so
-# they are never passed through by name alone. The models declare those it renders (logprobs,
-# echo) and map them to SamplingParams (:meth:`_SamplingFields.sampling_kwargs`); the rest are
-# refused unless neutral.
-RESPONSE_FIELDS = frozenset({"n", "best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo"})
+# Fields whose effect shows in the *response* (logprobs, the prompt echoed) under names or
+# shapes that are not SamplingParams': passing them to the engine by name is not enough, the
+# server has to render them. The models declare those it renders (logprobs, echo) and map them
+# to SamplingParams (:meth:`_SamplingFields.sampling_kwargs`); the rest are refused unless
+# neutral. (``n`` is not one: it means the same to the engine, which validates it, and the
+# server reads the count back from the SamplingParams.)
+RESPONSE_FIELDS = frozenset({"best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo"})
+# Known fields whose refusal says more than "not supported": what to ask for instead.
+REFUSAL_REASONS = {
+    "best_of": (
+        "vLLM removed best_of (only null or 1 is accepted); ask for n completions with logprobs "
+        "and keep the one whose token logprobs sum highest"
+    ),
+}
 # Fields that only identify the caller to the provider (OpenAI's abuse monitoring): accepting
 # them with no effect on the output is what they mean.
 IDENTIFYING_FIELDS = frozenset({"user", "safety_identifier"})
@@ -252,8 +261,8 @@ class _SamplingFields(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse what the engine cannot do, naming the field (400): a field no API defines, and
-        a known one the engine does not implement set to anything but its neutral value (so
-        ``n`` other than 1, penalties and ``logit_bias`` until ``SamplingParams`` has them)."""
+        a known one the engine does not implement set to anything but its neutral value (beam
+        search, guided decoding, tools, ...), with its :data:`REFUSAL_REASONS` entry if it has one."""
         extra = self.model_extra or {}
         for name in extra:
             if name not in self.KNOWN_FIELDS:
@@ -266,13 +275,11 @@ class _SamplingFields(BaseModel):
         for name, value in self.given_fields().items():
             if name not in handled and not _is_neutral(value, self.KNOWN_FIELDS[name]):
                 shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."  # a body may be big
-                raise APIError(f"not supported by this engine: {name}={shown}", param=name, code="unsupported_field")
+                reason = f"; {REFUSAL_REASONS[name]}" if name in REFUSAL_REASONS else ""
+                message = f"not supported by this engine: {name}={shown}{reason}"
+                raise APIError(message, param=name, code="unsupported_field")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise APIError(
-                "not supported by this engine: stream_options.continuous_usage_stats", param="stream_options"
-            )
 
     @property
     def num_logprobs(self) -> int | None:
@@ -308,6 +315,12 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: every chunk carries its choice's usage so far. As
+        in vLLM it needs ``include_usage`` too (alone it asks for nothing)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -4,7 +4,9 @@ The body becomes token ids and a :class:`SamplingParams`, checked by the engine'
 :class:`ParameterError` becomes a 400 naming the field), in worker threads: never on the event
 loop that streams the other clients' tokens. The engine's logprobs come back in OpenAI's shapes
 (:mod:`openai_logprobs`), with completions' ``echo`` showing the prompt and its logprobs first,
-as vLLM's server does (lm-evaluation-harness scores a continuation that way).
+as vLLM's server does (lm-evaluation-harness scores a continuation that way). A request's ``n``
+completions are one engine request each prompt (the engine runs them as child requests) and
+``n`` choices each prompt in the response, laid out as vLLM lays them out (:class:`Choices`).
 """
 
 from __future__ import annotations
@@ -55,69 +57,117 @@ MAX_LOGPROBS = 20
 
 
 @dataclass
-class Choice:
-    """What one choice accumulates while its request runs, and how much of it a response sent.
+class PromptState:
+    """What the choices of one prompt share: its token ids, its text where the response echoes
+    it (completions' ``echo``), and what the engine reports once for the prompt, with its
+    completion 0: the prompt's logprobs and its prefix-cache hits."""
 
-    ``echo`` is the prompt's text when the response shows the prompt first (completions'
-    ``echo``); ``echo_only`` shows nothing else (``max_tokens: 0``).
+    token_ids: list[int]
+    echo: str | None = None
+    logprobs: list[LogprobEntry] | None = None
+    cached_tokens: int = 0
+
+
+@dataclass
+class Choice:
+    """What one choice accumulates while its completion runs, and how much of it a response sent.
+
+    ``echo_only`` shows the echoed prompt and nothing else (``max_tokens: 0``);
+    ``echo_logprobs``: the echoed prompt comes with its logprobs, so the piece that echoes it
+    waits for them (:attr:`ready`).
     """
 
-    prompt_token_ids: list[int]
-    echo: str | None = None
+    prompt: PromptState
     echo_only: bool = False
+    echo_logprobs: bool = False
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
-    prompt_logprobs: list[LogprobEntry] | None = None
-    cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     echoed: bool = False
     sent_tokens: int = 0
-    sent_chars: int = 0
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    sent_text: int = 0  # characters of ``text`` taken
+    sent_chars: int = 0  # characters sent, the echoed prompt's included
 
     @property
     def completion_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def ready(self) -> bool:
+        """Whether the next piece can be sent. Only completion 0 scores the prompt, and with
+        ``n`` > 1 another completion's first tokens could come before it reports the scores."""
+        return not self.echo_logprobs or self.echoed or self.prompt.logprobs is not None
+
     def update(self, out: RequestOutput) -> None:
         self.text += out.new_text
         self.token_ids += out.new_token_ids
-        self.cached_tokens = out.num_cached_tokens or 0
+        if out.index == 0:
+            self.prompt.cached_tokens = out.num_cached_tokens or 0
         if out.logprobs is not None:
             self.logprobs = out.logprobs
         if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
+            self.prompt.logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
             self.stop_reason = getattr(out, "stop_reason", None)
 
-    def take(self, text: str) -> tuple[str, list[int], list[LogprobEntry], int]:
-        """The next piece of the response (a stream's chunk, or the whole): ``text``, the tokens
-        not taken before with their logprob entries, and the character offset it starts at.
-        The first piece starts with the echoed prompt. A chunk is only sent with text (or a
+    def take(self) -> tuple[str, list[int], list[LogprobEntry], int]:
+        """The next piece of the response (a stream's chunk, or the whole): the text and the
+        tokens not taken before, the tokens' logprob entries, and the character offset it starts
+        at. The first piece starts with the echoed prompt. A chunk is only sent with text (or a
         finish), so tokens whose text is held back (half a character, a possible stop string)
         bring their logprobs in the next one."""
+        text = self.text[self.sent_text :]
         ids = self.token_ids[self.sent_tokens :]
         entries = padded((self.logprobs or [])[self.sent_tokens :], len(ids))
         offset = self.sent_chars
-        if self.echo is not None and not self.echoed:
+        prompt = self.prompt
+        if prompt.echo is not None and not self.echoed:
             self.echoed = True
-            prompt = padded(self.prompt_logprobs or [], self.prompt_tokens)
             if self.echo_only:  # the one sampled token stays out, as in vLLM
                 text, ids, entries = "", [], []
-            text, ids, entries = self.echo + text, [*self.prompt_token_ids, *ids], [*prompt, *entries]
+            prompt_entries = padded(prompt.logprobs or [], len(prompt.token_ids))
+            text, ids, entries = prompt.echo + text, [*prompt.token_ids, *ids], [*prompt_entries, *entries]
+        self.sent_text = len(self.text)
         self.sent_tokens = len(self.token_ids)
         self.sent_chars += len(text)
         return text, ids, entries, offset
 
     def prompt_logprobs_field(self) -> list[dict[int, dict[str, Any]] | None] | None:
         """vLLM's ``prompt_logprobs`` field (None if the engine reported none)."""
-        return None if self.prompt_logprobs is None else prompt_logprobs_json(self.prompt_logprobs)
+        return None if self.prompt.logprobs is None else prompt_logprobs_json(self.prompt.logprobs)
+
+
+@dataclass
+class Choices:
+    """A response's choices in vLLM's order: completion ``k`` (``RequestOutput.index``) of prompt
+    ``p`` is choice ``p * n + k``, so a chat's are its completions' indices and a batch of
+    prompts lists each prompt's ``n`` together. Usage counts each prompt once (its
+    ``cached_tokens`` those of its completion 0) and every choice's generated tokens."""
+
+    prompts: list[PromptState]
+    n: int
+    items: list[Choice]
+
+    @classmethod
+    def build(cls, prompts: list[PromptState], n: int, echo_only: bool, echo_logprobs: bool) -> Choices:
+        return cls(prompts, n, [Choice(p, echo_only, echo_logprobs) for p in prompts for _ in range(n)])
+
+    def update(self, prompt_index: int, out: RequestOutput) -> int:
+        """Fold ``out`` (an output of prompt ``prompt_index``'s request) into its choice; returns
+        the choice's index."""
+        i = prompt_index * self.n + out.index
+        self.items[i].update(out)
+        return i
+
+    def usage(self) -> dict[str, Any]:
+        return usage(
+            sum(len(p.token_ids) for p in self.prompts),
+            sum(c.completion_tokens for c in self.items),
+            sum(p.cached_tokens for p in self.prompts),
+        )
 
 
 def api_error(exc: ValueError, field_names: dict[str, str]) -> APIError:
@@ -269,11 +319,11 @@ class OpenAIServing:
         return {"prompt": str(text)}
 
     async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
-        """``POST /v1/completions``: one choice per prompt."""
+        """``POST /v1/completions``: ``n`` choices per prompt (:class:`Choices` orders them)."""
         return await self.create(body, raw)
 
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
-        """``POST /v1/chat/completions``: one choice, a ``message`` (``delta`` chunks when streamed)."""
+        """``POST /v1/chat/completions``: ``n`` choices, each a ``message`` (``delta`` chunks when streamed)."""
         return await self.create(body, raw)
 
     async def create(self, body: OpenAIRequest, raw: Request) -> Response:
@@ -293,54 +343,68 @@ class OpenAIServing:
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{body.request_id}" if body.request_id else random_id(prefix)
         streams = await self.start(request_id, prompts, params, body)
-        echo_only = isinstance(body, CompletionRequest) and body.echo_only
-        choices = [Choice(ids, None if echoes is None else echoes[i], echo_only) for i, ids in enumerate(prompts)]
+        states = [PromptState(ids, None if echoes is None else echoes[i]) for i, ids in enumerate(prompts)]
         renderer = self.logprobs_renderer(body)
+        echo_only = isinstance(body, CompletionRequest) and body.echo_only
+        choices = Choices.build(states, params.n, echo_only, echoes is not None and renderer is not None)
         kind = ("chat.completion.chunk" if body.stream else "chat.completion") if chat else "text_completion"
         header = {"id": request_id, "object": kind, "created": now(), "model": self.served_model_name}
         if body.stream:
             events = self._events(streams, choices, header, body, renderer)
             return StreamingResponse(events, media_type="text/event-stream")
-        await collect_or_abort(raw, streams, lambda i, out: choices[i].update(out))
-        # vLLM's prompt_logprobs: on each choice for completions, beside the choices for chat.
+        await collect_or_abort(raw, streams, choices.update)
+        # vLLM's prompt_logprobs: on each choice of the prompt for completions, beside the choices for chat.
         scored = params.prompt_logprobs is not None
         results = []
-        for i, c in enumerate(choices):
-            text, ids, entries, _ = c.take(c.text)
+        for i, c in enumerate(choices.items):
+            text, ids, entries, _ = c.take()
             content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
             logprobs = render_logprobs(renderer, chat, ids, entries)
             results.append(choice(i, c.finish_reason, content, c.stop_reason, logprobs))
             if scored and not chat:
                 results[-1]["prompt_logprobs"] = c.prompt_logprobs_field()
-        response = {**header, "choices": results, "usage": total_usage(choices)}
+        response = {**header, "choices": results, "usage": choices.usage()}
         if scored and chat:
-            response["prompt_logprobs"] = choices[0].prompt_logprobs_field()
+            response["prompt_logprobs"] = choices.items[0].prompt_logprobs_field()
         return JSONResponse(response)
 
     async def _events(
         self,
         streams: list[RequestStream],
-        choices: list[Choice],
+        choices: Choices,
         header: dict[str, Any],
         body: OpenAIRequest,
         renderer: LogprobsRenderer | None,
     ) -> AsyncIterator[str]:
+        """The SSE stream: a chunk per output that brings text or a finish, each holding the one
+        choice it is about (so every choice gets exactly one chunk with its finish_reason), as
+        vLLM streams them."""
         chat = isinstance(body, ChatCompletionRequest)
 
-        def chunk(i: int, new_text: str, finish_reason: str | None) -> str:
-            # A chunk that finishes a choice reports its stop_reason (Choice.update saw it first).
-            stop = choices[i].stop_reason if finish_reason is not None else None
-            text, ids, entries, offset = choices[i].take(new_text)
-            logprobs = render_logprobs(renderer, chat, ids, entries, offset)
-            content = {"delta": {"content": text} if text else {}} if chat else {"text": text}
-            return sse({**header, "choices": [choice(i, finish_reason, content, stop, logprobs)]})
+        def event(i: int, content: dict[str, Any], logprobs: dict[str, Any] | None = None) -> str:
+            """A chunk about choice ``i``; a finished choice's reports its finish (and stop) reason."""
+            c = choices.items[i]
+            chunk = {**header, "choices": [choice(i, c.finish_reason, content, c.stop_reason, logprobs)]}
+            if body.continuous_usage:  # vLLM's: the choice's prompt and its tokens so far
+                chunk["usage"] = usage(len(c.prompt.token_ids), c.completion_tokens, c.prompt.cached_tokens)
+            return sse(chunk)
 
-        if chat:  # OpenAI's first chat chunk announces the role; content follows in later deltas.
-            yield sse({**header, "choices": [choice(0, None, {"delta": {"role": "assistant", "content": ""}})]})
-        async for event in stream_events(streams, lambda i, out: choices[i].update(out), chunk):
-            yield event
+        def render(prompt_index: int, out: RequestOutput) -> str | None:
+            i = choices.update(prompt_index, out)
+            c = choices.items[i]
+            if not out.finished and not (out.new_text and c.ready):
+                return None
+            text, ids, entries, offset = c.take()
+            content = {"delta": {"content": text} if text else {}} if chat else {"text": text}
+            return event(i, content, render_logprobs(renderer, chat, ids, entries, offset))
+
+        if chat:  # OpenAI's first chunk of each chat choice announces the role; content follows.
+            for i in range(len(choices.items)):
+                yield event(i, {"delta": {"role": "assistant", "content": ""}})
+        async for chunk in stream_events(streams, render):
+            yield chunk
         if body.include_usage:
-            yield sse({**header, "choices": [], "usage": total_usage(choices)})
+            yield sse({**header, "choices": [], "usage": choices.usage()})
         yield SSE_DONE
 
 
@@ -410,11 +474,3 @@ def lowest_cpu_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
         pass  # not Linux, or refused: the work runs at normal priority
-
-
-def total_usage(choices: list[Choice]) -> dict[str, Any]:
-    return usage(
-        sum(c.prompt_tokens for c in choices),
-        sum(c.completion_tokens for c in choices),
-        sum(c.cached_tokens for c in choices),
-    )

@@ -1,9 +1,10 @@
 """Server-sent events and the plumbing between engine outputs and an HTTP response.
 
 A completion with several prompts is several engine requests: :func:`merge_streams` interleaves
-their outputs. Both the streamed (:func:`stream_events`) and the whole (:func:`collect_or_abort`)
-response abort every engine request still running when the client goes away, so the engine
-frees its KV blocks at once instead of generating for nobody.
+their outputs (a request with ``n`` > 1 is one stream, its completions' outputs told apart by
+``RequestOutput.index``). Both the streamed (:func:`stream_events`) and the whole
+(:func:`collect_or_abort`) response abort every engine request still running when the client
+goes away, so the engine frees its KV blocks at once instead of generating for nobody.
 """
 
 from __future__ import annotations
@@ -68,17 +69,15 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
 
 
 async def stream_events(
-    streams: list[RequestStream],
-    on_output: Callable[[int, RequestOutput], None],
-    chunk: Callable[[int, str, str | None], str],
+    streams: list[RequestStream], render: Callable[[int, RequestOutput], str | None]
 ) -> AsyncIterator[str]:
-    """SSE chunks (made by ``chunk(index, text, finish_reason)``) for every output that carries
-    text or a finish reason; ``on_output(index, output)`` sees every output first."""
+    """The SSE chunks ``render(index, output)`` makes of every output of ``streams[index]``
+    (None: nothing to send for it yet)."""
     try:
         async for i, out in merge_streams(streams):
-            on_output(i, out)
-            if out.new_text or out.finished:
-                yield chunk(i, out.new_text, out.finish_reason if out.finished else None)
+            chunk = render(i, out)
+            if chunk is not None:
+                yield chunk
     except EngineDeadError as exc:
         yield sse(error_body(str(exc), "server_error"))
     finally:  # also the disconnect path: Starlette cancels this generator at its await
@@ -86,7 +85,7 @@ async def stream_events(
             s.abort()
 
 
-async def _collect(streams: list[RequestStream], on_output: Callable[[int, RequestOutput], None]) -> None:
+async def _collect(streams: list[RequestStream], on_output: Callable[[int, RequestOutput], object]) -> None:
     try:
         async for i, out in merge_streams(streams):
             on_output(i, out)
@@ -96,7 +95,7 @@ async def _collect(streams: list[RequestStream], on_output: Callable[[int, Reque
 
 
 async def collect_or_abort(
-    raw: Request, streams: list[RequestStream], on_output: Callable[[int, RequestOutput], None]
+    raw: Request, streams: list[RequestStream], on_output: Callable[[int, RequestOutput], object]
 ) -> None:
     """Run a non-streamed request to the end, aborting it if its client disconnects first."""
     work = asyncio.ensure_future(_collect(streams, on_output))

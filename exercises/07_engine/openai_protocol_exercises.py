@@ -7,14 +7,20 @@ the chapter's own; see exercises/README.md for how your function is put in place
 
 from __future__ import annotations
 
-from vllm_from_scratch.openai_protocol import IDENTIFYING_FIELDS, APIError, _is_neutral, _SamplingFields, engine_fields
-from vllm_from_scratch.sampling_params import SamplingParams
+from vllm_from_scratch.openai_protocol import (
+    IDENTIFYING_FIELDS,
+    REFUSAL_REASONS,
+    APIError,
+    _is_neutral,
+    _SamplingFields,
+    engine_fields,
+)
 
 
 def check_supported_sampling(self) -> None:
     """Refuse what the engine cannot do, naming the field (400): a field no API defines, and
-    a known one the engine does not implement set to anything but its neutral value (so
-    ``n`` other than 1, penalties and ``logit_bias`` until ``SamplingParams`` has them).
+    a known one the engine does not implement set to anything but its neutral value (beam
+    search, guided decoding, tools, ...), with its :data:`REFUSAL_REASONS` entry if it has one.
 
     Becomes ``_SamplingFields.check_supported`` (a method: ``self`` is the _SamplingFields).
     Call parent methods as ``Parent.method(self, ...)``, not ``super()``.
@@ -23,8 +29,9 @@ def check_supported_sampling(self) -> None:
     APIError(message, param=name, code="unknown_field"). Then every field of self.given_fields()
     that the model does not declare, the engine does not take (engine_fields(self.KNOWN_FIELDS))
     and that does not identify the caller (IDENTIFYING_FIELDS) must hold its neutral value
-    (_is_neutral(value, self.KNOWN_FIELDS[name])), else APIError(..., param=name).
-    stream_options without stream is refused too.
+    (_is_neutral(value, self.KNOWN_FIELDS[name])), else APIError(..., param=name), its message
+    ending with REFUSAL_REASONS[name] where there is one. stream_options without stream is
+    refused too.
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.S1a
     """

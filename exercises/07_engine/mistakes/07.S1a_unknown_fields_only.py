@@ -2,7 +2,7 @@ from vllm_from_scratch.openai_protocol import APIError
 
 
 def check_supported_sampling(self):
-    """Refuses only fields no API defines, so a known field the engine ignores (n=2, a penalty) is dropped silently."""
+    """Refuses only fields no API defines, so a known field the engine ignores (length_penalty) is dropped silently."""
     for name in self.model_extra or {}:
         if name not in self.KNOWN_FIELDS:
             raise APIError(f"unknown field: {name}", param=name, code="unknown_field")

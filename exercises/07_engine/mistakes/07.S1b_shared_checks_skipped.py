@@ -1,2 +1,2 @@
 def check_supported_completion(self):
-    """Skips the shared checks, so best_of, suffix and n pass silently and are ignored."""
+    """Skips the shared checks, so best_of, suffix and prompt_embeds pass silently and are ignored."""
