@@ -204,7 +204,7 @@ class AsyncLLM:
         self._streams[command.request_id] = command.stream
         self._unscheduled.add(command.request_id)
         # The max_tokens the engine resolved (None in the body: what the context leaves).
-        resolved = getattr(self._engine_requests.get(command.request_id), "max_tokens", None)
+        resolved = getattr(self._engine_request(command.request_id), "max_tokens", None)
         command.stream.max_tokens = resolved if isinstance(resolved, int) else command.params.max_tokens
         _resolve(command.stream.loop, command.accepted, None)
 
@@ -225,7 +225,7 @@ class AsyncLLM:
         for request_id in list(self._unscheduled):
             # Scheduled in this step if it produced an output or the engine computed some of its
             # prompt (a chunked prefill's first chunk produces no output).
-            req = self._engine_requests.get(request_id)
+            req = self._engine_request(request_id)
             if request_id in produced or getattr(req, "num_computed_tokens", 0) > 0:
                 self._unscheduled.discard(request_id)
                 if (stream := self._streams.get(request_id)) is not None:
@@ -250,10 +250,14 @@ class AsyncLLM:
                         self._observe_finished(stream, out)
             _push(stream, out)
 
-    @property
-    def _engine_requests(self) -> dict[str, Any]:
-        """The engine's live requests by id, read for timings only (empty if it keeps none)."""
-        return getattr(self.engine, "requests", None) or {}
+    def _engine_request(self, request_id: str) -> Any:
+        """The engine's live request ``request_id``, read for timings only (None if the engine
+        keeps none). With ``n`` > 1 it is the parent's completion 0: the engine lists only the
+        children, and completion 0 is queued first and computes the prompt."""
+        parent = (getattr(self.engine, "parents", None) or {}).get(request_id)
+        if parent is not None:
+            return parent.children[0]
+        return (getattr(self.engine, "requests", None) or {}).get(request_id)
 
     def _observe_finished(self, stream: _Stream, out: RequestOutput) -> None:
         """vLLM's per-request histograms, observed when the request finishes (as vLLM does)."""
