@@ -56,6 +56,27 @@ class VenvServer(ServerProcess):
         self.env = {k: v for k, v in self.env.items() if k not in inherited - set(env)}
 
 
+def vllm_server(
+    python: Path,
+    model_dir: str,
+    dtype: str,
+    binding: str,
+    kv_cache_gib: int,
+    startup_timeout_s: float,
+    extra_args: tuple[str, ...] = (),
+) -> VenvServer:
+    """``vllm serve`` of ``model_dir`` in ``dtype`` from vLLM's virtualenv, with one of bench.py's
+    thread layouts (``binding``, a key of ``vllm_bindings()``) and ``kv_cache_gib`` GiB of KV
+    cache; ``extra_args`` are more server flags."""
+    env = {
+        **vllm_bindings()[binding],
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    args = ["vllm.entrypoints.launchers.api_server.entry", "--model", model_dir, "--dtype", dtype, *extra_args]
+    return VenvServer(python, args, env, startup_timeout_s)
+
+
 def client_flags(
     url: str, model: str, tokenizer: str, args: argparse.Namespace, seed: int, num_prompts: int, result: Path | None
 ) -> list[str]:
@@ -201,16 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
     }
     for label in args.vllm_bindings:
-        env = {
-            **vllm_bindings()[label],
-            "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_cache_gib),
-            "VLLM_LOGGING_LEVEL": "WARNING",
-        }
-        servers[f"vllm serve ({label})"] = VenvServer(
-            python,
-            ["vllm.entrypoints.launchers.api_server.entry", "--model", model_dir, "--dtype", args.dtype],
-            env,
-            args.startup_timeout_s,
+        servers[f"vllm serve ({label})"] = vllm_server(
+            python, model_dir, args.dtype, label, args.vllm_kv_cache_gib, args.startup_timeout_s
         )
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:

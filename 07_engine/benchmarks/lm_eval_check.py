@@ -2,6 +2,7 @@
 
     .venv/bin/python 07_engine/benchmarks/lm_eval_check.py             # both tasks, 20 questions each
     .venv/bin/python 07_engine/benchmarks/lm_eval_check.py --limit 5   # what test_lm_eval.py runs
+    .venv/bin/python 07_engine/benchmarks/lm_eval_check.py --vllm      # and vLLM's own server beside
 
 Starts the server (``python -m vllm_from_scratch.serve``) on the default model and runs
 lm-evaluation-harness (``lm_eval --model local-completions``, from the virtualenv that
@@ -16,12 +17,19 @@ harness logged: the loglikelihood of each choice over the token ids the harness 
 ``_encode_pair``), and ``generate`` greedily. It prints both scores and how many questions agree
 (the same chosen answer and each loglikelihood within ``--atol``; the same generated text), and
 exits 1 on any difference. Nothing reaches a model hub: the tasks' data are files beside them.
+
+With ``--vllm``, the harness then runs the same tasks against vLLM's CPU build's server (``vllm
+serve`` from ``.venv-vllm``, built by ``make_vllm_venv.sh``; started as bench_serving.py starts
+it) on the same model directory, dtype and context length, and the table gains vLLM's scores and
+its agreement with transformers by the same rule. vLLM's column is a finding, never a failure:
+the exit status is our server's.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import importlib.metadata as md
 import json
 import os
 import string
@@ -35,6 +43,8 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from bench import VLLM_VENV, vllm_python, vllm_version
+from bench_serving import vllm_server
 from machine import machine_line
 from server_testing import ServerProcess
 from vllm_from_scratch import default_model_dir
@@ -52,12 +62,18 @@ SERVER_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--num-kvcache-blocks", "2
 # over 30 layers and a few continuation tokens.
 DEFAULT_ATOL = 1e-3
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# vLLM's server as it ships: its own thread layout (one core computes, one serves), its default
+# --max-logprobs (20) and prefix caching; the same name and context length as ours.
+VLLM_ARGS = ("--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN))
+VLLM_BINDING = "defaults"
 
 
 @dataclass
 class TaskCheck:
-    """One task's scores through the server and from transformers, and the questions that differ."""
+    """One task's score through one server (``server``: its name) and from transformers, and the
+    questions that differ."""
 
+    server: str
     task: str
     metric: str
     server_score: float
@@ -180,19 +196,45 @@ def argmax(values: list[float]) -> int:
     return max(range(len(values)), key=lambda i: (values[i], -i))  # the first of equals, as numpy's
 
 
-def check_multiple_choice(task: str, results: dict, samples: list[dict], ref: TransformersReference, atol: float):
-    check = TaskCheck(task, "acc", results["acc,none"], 0.0, len(samples), max_loglik_diff=0.0)
-    correct = 0
+def reference_loglikelihoods(task: str, samples: list[dict], ref: TransformersReference) -> list[list[float]]:
+    """Per multiple-choice sample, transformers' loglikelihood of each choice."""
+    return [
+        [ref.loglikelihood(context, choice) for context, choice in arguments(s)]
+        for s in tqdm(samples, desc=f"transformers {task}")
+    ]
+
+
+def reference_generations(task: str, samples: list[dict], ref: TransformersReference) -> list[str]:
+    """Per generation sample, transformers' greedy text, stopped as the harness asks."""
+    texts = []
     for s in tqdm(samples, desc=f"transformers {task}"):
-        server = [float(r[0][0]) for r in s["resps"]]
-        reference = [ref.loglikelihood(context, choice) for context, choice in arguments(s)]
-        diff = max(abs(a - b) for a, b in zip(server, reference, strict=True))
+        ((context, gen_kwargs),) = arguments(s)
+        # The harness adds the tokenizer's EOS text to the stop strings.
+        stop = [*gen_kwargs["until"], ref.tokenizer.eos_token]
+        texts.append(ref.generate(context, gen_kwargs["max_gen_toks"], stop))
+    return texts
+
+
+def check_multiple_choice(
+    task: str, results: dict, samples: list[dict], reference: list[list[float]], atol: float, server: str = "server"
+) -> TaskCheck:
+    """``server``'s logged loglikelihoods beside transformers' (``reference``, per sample)."""
+    check = TaskCheck(server, task, "acc", results["acc,none"], 0.0, len(samples), max_loglik_diff=0.0)
+    correct = 0
+    for s, expected in zip(samples, reference, strict=True):
+        got = [float(r[0][0]) for r in s["resps"]]
+        diff = max(abs(a - b) for a, b in zip(got, expected, strict=True))
         check.max_loglik_diff = max(check.max_loglik_diff or 0.0, diff)
-        correct += argmax(reference) == int(s["target"])  # the gold choice's index, logged as a string
-        if argmax(server) != argmax(reference) or diff > atol:
+        correct += argmax(expected) == int(s["target"])  # the gold choice's index, logged as a string
+        if argmax(got) != argmax(expected) or diff > atol:
+            choice = (
+                "the same choice"
+                if argmax(got) == argmax(expected)
+                else f"chooses {argmax(got)}, transformers {argmax(expected)}"
+            )
             check.disagreements.append(
-                f"{task} #{s['doc_id']}: server loglikelihoods {[round(x, 4) for x in server]}, "
-                f"transformers {[round(x, 4) for x in reference]}"
+                f"{task} #{s['doc_id']}: {server} loglikelihoods {[round(x, 4) for x in got]}, "
+                f"transformers {[round(x, 4) for x in expected]} ({choice}; max |Δ| {diff:.1e})"
             )
     check.reference_score = correct / len(samples)
     return check
@@ -203,37 +245,59 @@ def normalize(answer: str) -> str:
     return answer.strip().lower().translate(str.maketrans("", "", string.punctuation))
 
 
-def check_generation(task: str, results: dict, samples: list[dict], ref: TransformersReference):
-    check = TaskCheck(task, "exact_match", results["exact_match,strip"], 0.0, len(samples))
+def check_generation(
+    task: str, results: dict, samples: list[dict], reference: list[str], server: str = "server"
+) -> TaskCheck:
+    """``server``'s logged generations beside transformers' (``reference``, per sample)."""
+    check = TaskCheck(server, task, "exact_match", results["exact_match,strip"], 0.0, len(samples))
     correct = 0
-    for s in tqdm(samples, desc=f"transformers {task}"):
-        ((context, gen_kwargs),) = arguments(s)
-        # The harness adds the tokenizer's EOS text to the stop strings.
-        stop = [*gen_kwargs["until"], ref.tokenizer.eos_token]
-        reference = ref.generate(context, gen_kwargs["max_gen_toks"], stop)
-        server = s["resps"][0][0]
-        correct += normalize(reference) == normalize(s["target"])
-        if server != reference:
-            check.disagreements.append(f"{task} #{s['doc_id']}: server {server!r}, transformers {reference!r}")
+    for s, expected in zip(samples, reference, strict=True):
+        got = s["resps"][0][0]
+        correct += normalize(expected) == normalize(s["target"])
+        if got != expected:
+            check.disagreements.append(f"{task} #{s['doc_id']}: {server} {got!r}, transformers {expected!r}")
     check.reference_score = correct / len(samples)
     return check
 
 
-def print_table(checks: list[TaskCheck], dtype: str, lm_eval_version: str) -> None:
-    import importlib.metadata as md
+def check_tasks(
+    report: dict, samples: dict[str, list[dict]], reference: dict[str, list], atol: float, server: str
+) -> list[TaskCheck]:
+    """Every task of one harness run (``report``, ``samples``) beside transformers' answers."""
+    results = report["results"]
+    return [
+        check_multiple_choice(task, results[task], samples[task], expected, atol, server)
+        if task == "facts_mc"
+        else check_generation(task, results[task], samples[task], expected, server)
+        for task, expected in reference.items()
+    ]
 
+
+def print_table(checks: list[TaskCheck], peer: list[TaskCheck], dtype: str, versions: str) -> None:
+    """Per task: our server's score, transformers', and how many questions agree; with ``peer``
+    (vLLM's checks of the same tasks), vLLM's score and agreement in three more columns."""
     print(machine_line())
-    transformers_version = md.version("transformers")
-    print(f"{MODEL_NAME}, {dtype}: lm-eval {lm_eval_version} through our server vs transformers {transformers_version}")
+    print(f"{MODEL_NAME}, {dtype}: {versions}")
     row = "{:<10} {:<12} {:>7} {:>12} {:>9} {:>15}"
-    print(row.format("task", "metric", "server", "transformers", "agreeing", "max |Δ loglik|"))
-    for c in checks:
-        diff = "-" if c.max_loglik_diff is None else f"{c.max_loglik_diff:.1e}"
-        agreeing = f"{c.questions - len(c.disagreements)}/{c.questions}"
-        print(row.format(c.task, c.metric, f"{c.server_score:.3f}", f"{c.reference_score:.3f}", agreeing, diff))
-    for c in checks:
+    head = ["task", "metric", "server", "transformers", "agreeing", "max |Δ loglik|"]
+    if peer:
+        row += " {:>7} {:>9} {:>15}"
+        head += ["vLLM", "agreeing", "max |Δ loglik|"]
+    print(row.format(*head))
+    for c, v in zip(checks, peer or [None] * len(checks), strict=True):
+        cells = [c.task, c.metric, f"{c.server_score:.3f}", f"{c.reference_score:.3f}", *agreement(c)]
+        if v is not None:
+            cells += [f"{v.server_score:.3f}", *agreement(v)]
+        print(row.format(*cells))
+    for c in [*checks, *peer]:
         for line in c.disagreements:
             print("differs:", line)
+
+
+def agreement(check: TaskCheck) -> list[str]:
+    """The table's agreeing and max |Δ loglik| cells of one check."""
+    diff = "-" if check.max_loglik_diff is None else f"{check.max_loglik_diff:.1e}"
+    return [f"{check.questions - len(check.disagreements)}/{check.questions}", diff]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -249,6 +313,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--atol", type=float, default=DEFAULT_ATOL, help="largest loglikelihood difference per choice")
     p.add_argument("--num-concurrent", type=int, default=1, help="requests the harness keeps in flight")
     p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also run the tasks against vLLM's CPU build's server (vllm serve from --vllm-venv)",
+    )
+    p.add_argument(
+        "--vllm-venv",
+        type=Path,
+        default=VLLM_VENV,
+        help="vLLM's virtualenv (default: .venv-vllm, built by 07_engine/benchmarks/make_vllm_venv.sh)",
+    )
+    p.add_argument("--vllm-kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE for vLLM")
+    p.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=900.0,
+        help="vLLM's start-up limit; it compiles its model first (minutes on 2 cores)",
+    )
+    p.add_argument(
         "--lmeval-venv",
         type=Path,
         default=LMEVAL_VENV,
@@ -257,27 +339,47 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def evaluate(server: ServerProcess, model_dir: str, out: Path, args: argparse.Namespace) -> tuple[dict, dict]:
+    """The harness's run of ``args.tasks`` against ``server``: its report and its logged samples."""
+    with server:
+        run_lm_eval(lm_eval_command(server.url, model_dir, args.tasks, out, args), out)
+    return read_results(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not (args.lmeval_venv / "bin" / "lm_eval").exists():
         raise SystemExit(f"no lm_eval in {args.lmeval_venv}: build it with 07_engine/benchmarks/make_lmeval_venv.sh")
+    python = vllm_python(args.vllm_venv) if args.vllm else None
     os.environ.update(OFFLINE)
     model_dir = default_model_dir()
     server_args = ["vllm_from_scratch.serve", model_dir, "--served-model-name", MODEL_NAME, "--dtype", args.dtype]
-    with tempfile.TemporaryDirectory() as tmp, ServerProcess([*server_args, *SERVER_ARGS]) as server:
-        out = Path(tmp)
-        run_lm_eval(lm_eval_command(server.url, model_dir, args.tasks, out, args), out)
-        report, samples = read_results(out)
-    results = report["results"]
+    peer_run: tuple[dict, dict] | None = None
+    with tempfile.TemporaryDirectory() as tmp:
+        report, samples = evaluate(ServerProcess([*server_args, *SERVER_ARGS]), model_dir, Path(tmp) / "server", args)
+        if python is not None:
+            vllm = vllm_server(
+                python, model_dir, args.dtype, VLLM_BINDING, args.vllm_kv_cache_gib, args.startup_timeout_s, VLLM_ARGS
+            )
+            peer_run = evaluate(vllm, model_dir, Path(tmp) / "vllm", args)
     ref = TransformersReference(model_dir, DTYPES[args.dtype])
-    checks = []
+    reference: dict[str, list] = {}
     if "facts_mc" in args.tasks:
-        checks.append(check_multiple_choice("facts_mc", results["facts_mc"], samples["facts_mc"], ref, args.atol))
+        reference["facts_mc"] = reference_loglikelihoods("facts_mc", samples["facts_mc"], ref)
     if "facts_gen" in args.tasks:
-        checks.append(check_generation("facts_gen", results["facts_gen"], samples["facts_gen"], ref))
-    print_table(checks, args.dtype, report["lm_eval_version"])
+        reference["facts_gen"] = reference_generations("facts_gen", samples["facts_gen"], ref)
+    checks = check_tasks(report, samples, reference, args.atol, "server")
+    versions = f"lm-eval {report['lm_eval_version']} through our server vs transformers {md.version('transformers')}"
+    peer = []
+    if peer_run is not None and python is not None:
+        peer = check_tasks(*peer_run, reference, args.atol, "vLLM")
+        versions += f" and vllm serve (vLLM {vllm_version(python)} CPU, {VLLM_BINDING})"
+    print_table(checks, peer, args.dtype, versions)
     ok = all(c.ok for c in checks)
     print("passed: the same scores, question by question" if ok else "FAILED: the server and transformers differ")
+    if peer:
+        same = all(c.ok for c in peer)
+        print(f"vLLM: {'the same scores, question by question' if same else 'differs from transformers (above)'}")
     return 0 if ok else 1
 
 
