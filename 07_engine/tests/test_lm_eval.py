@@ -158,3 +158,19 @@ def test_harness_scores_through_the_server_equal_transformers(capsys):
     assert rows.keys() == {"facts_mc", "facts_gen"}, report
     for task, metric, server, reference, agreeing, *_ in rows.values():
         assert server == reference and agreeing == "5/5", f"{task} {metric}: {report}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (lm_eval_check.LMEVAL_VENV / "bin" / "lm_eval").exists() or not (bench.VLLM_VENV / "bin" / "python").exists(),
+    reason="needs both optional virtualenvs: .venv-lmeval (make_lmeval_venv.sh) and .venv-vllm (make_vllm_venv.sh)",
+)
+def test_vllm_serve_scores_what_transformers_scores_in_float32(capsys):
+    # Two questions each through both servers; vLLM's start-up (about 90 s on 2 cores) dominates.
+    status = lm_eval_check.main(["--limit", "2", "--vllm"])
+    report = capsys.readouterr().out
+    assert status == 0, report
+    rows = {line.split()[0]: line.split() for line in report.splitlines() if line.startswith("facts_")}
+    assert rows.keys() == {"facts_mc", "facts_gen"}, report
+    for task, metric, server, reference, agreeing, _, vllm, vllm_agreeing, _ in rows.values():
+        assert server == reference == vllm and agreeing == vllm_agreeing == "2/2", f"{task} {metric}: {report}"
