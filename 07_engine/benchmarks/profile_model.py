@@ -10,10 +10,13 @@ synthetic batches, without the scheduler or the sampler:
 For each shape it prints the first call (oneDNN creates a primitive the first time it meets a
 matmul shape) and the median of ``--iters`` later calls, with the load average beside them.
 ``--profile`` adds a ``torch.profiler`` breakdown by op group, and the time spent outside any
-op (Python and per-op dispatch).
+op (Python and per-op dispatch). ``--compile`` builds the runner with ``EngineConfig.compile``
+and times every shape twice in a row, eager and through the compiled graphs
+(``vllm_from_scratch/compilation.py``).
 
     .venv/bin/python 07_engine/benchmarks/profile_model.py --profile                # decode 1 and 32, prefill 512
     .venv/bin/python 07_engine/benchmarks/profile_model.py --repeats 3 --bf16-only   # without the float32 copies
+    .venv/bin/python 07_engine/benchmarks/profile_model.py --compile --repeats 7      # eager against compiled
 """
 
 from __future__ import annotations
@@ -129,25 +132,30 @@ class Batches:
 
 
 @torch.inference_mode()
-def step(runner: ModelRunner, batch) -> torch.Tensor:
+def step(runner: ModelRunner, batch, compiled: bool = False) -> torch.Tensor:
+    """Logits of ``batch``'s last rows, the forward eager or (``compiled``) through the runner's
+    compiled graphs."""
     input_ids, positions, md, logits_indices = batch
-    hidden = runner.model(input_ids, positions, md)
+    if compiled:
+        hidden = runner.compiled_forward.run(input_ids, positions, md, runner.kv_cache)
+    else:
+        hidden = runner.model(input_ids, positions, md)
     return runner.model.compute_logits(hidden[logits_indices])
 
 
-def time_step(runner: ModelRunner, batch, iters: int) -> tuple[float, float, float]:
+def time_step(runner: ModelRunner, batch, iters: int, compiled: bool = False) -> tuple[float, float, float]:
     """(first call, median of ``iters`` later calls, median CPU time of this process), in ms.
 
     With ``--threads 1`` the CPU time is the work itself, whatever else shares the cores: on a
     loaded machine it is the steadier figure to compare two variants by.
     """
     start = time.perf_counter()
-    step(runner, batch)
+    step(runner, batch, compiled)
     first = (time.perf_counter() - start) * 1e3
     times, cpu_times = [], []
     for _ in range(iters):
         start, cpu_start = time.perf_counter(), time.process_time()
-        step(runner, batch)
+        step(runner, batch, compiled)
         times.append((time.perf_counter() - start) * 1e3)
         cpu_times.append((time.process_time() - cpu_start) * 1e3)
     return first, statistics.median(times), statistics.median(cpu_times)
@@ -169,14 +177,14 @@ def label_attention_calls() -> None:
     attention.store_kvcache = labelled("store_kvcache", attention.store_kvcache)
 
 
-def profile_step(runner: ModelRunner, batch, iters: int) -> None:
+def profile_step(runner: ModelRunner, batch, iters: int, compiled: bool = False) -> None:
     """Per-op-group time of ``iters`` calls, and the wall time no top-level op accounts for."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(iters):
-            step(runner, batch)
+            step(runner, batch, compiled)
         wall = (time.perf_counter() - start) * 1e3 / iters
     groups, ops = defaultdict(float), defaultdict(float)
     for e in prof.events():
@@ -216,13 +224,22 @@ def main() -> None:
         action="store_true",
         help="drop the float32 weight copies (layers/prepacked.py): every matmul in bf16",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time the forward compiled by inductor (EngineConfig.compile), alternating with the eager one",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     start = time.perf_counter()
     runner = ModelRunner(
         EngineConfig(
-            args.model or default_model_dir(), device="cpu", dtype=args.dtype, max_num_seqs=max(args.batch_sizes + [1])
+            args.model or default_model_dir(),
+            device="cpu",
+            dtype=args.dtype,
+            max_num_seqs=max(args.batch_sizes + [1]),
+            compile=args.compile,
         )
     )
     if args.bf16_only:
@@ -240,19 +257,23 @@ def main() -> None:
     shapes = [(f"decode B={b}", batches.decode(b)) for b in args.batch_sizes]
     shapes += [(f"prefill {p}", batches.prefill(p)) for p in args.prefill_lens]
     # Shapes none of the timed ones share, so "first" below is the cost of a new shape alone.
+    variants = [("", False)] + [(" compiled", True)] * args.compile
     start = time.perf_counter()
-    step(runner, batches.prefill(7))
-    step(runner, batches.decode(3))
+    for _, compiled in variants:
+        step(runner, batches.prefill(7), compiled)
+        step(runner, batches.decode(3), compiled)
     print(f"warm-up on other shapes: {time.perf_counter() - start:.1f} s")
     for rep in range(args.repeats):
         for name, batch in tqdm(shapes, desc=f"repeat {rep + 1}/{args.repeats}", leave=False):
-            first, median, cpu = time_step(runner, batch, args.iters)
-            load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-            tqdm.write(
-                f"  {name:<14} first {first:9.2f} ms   median {median:8.2f} ms   cpu {cpu:8.2f} ms   load {load}"
-            )
-            if args.profile and rep == 0:
-                profile_step(runner, batch, max(3, args.iters // 4))
+            for label, compiled in variants:
+                first, median, cpu = time_step(runner, batch, args.iters, compiled)
+                load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+                tqdm.write(
+                    f"  {name + label:<23} first {first:9.2f} ms   median {median:8.2f} ms   cpu {cpu:8.2f} ms"
+                    f"   load {load}"
+                )
+                if args.profile and rep == 0:
+                    profile_step(runner, batch, max(3, args.iters // 4), compiled)
 
 
 if __name__ == "__main__":

@@ -159,6 +159,10 @@ class EngineConfig:
     generated from this list (:meth:`add_cli_args`), so a setting exists in one place. A field
     typed ``int`` whose help says "None: ..." accepts None and holds the resolved number once
     the config is built, so the engine never handles a None there.
+
+    ``compile`` is this engine's counterpart of vLLM's ``compilation_config`` (``-O``): vLLM
+    compiles by default and ``enforce_eager`` turns both compilation and CUDA graphs off; here the
+    forward is eager unless ``compile`` is set, CUDA graphs are on unless ``enforce_eager`` is.
     """
 
     model_dir: str
@@ -171,6 +175,12 @@ class EngineConfig:
     )
     tensor_parallel_size: int = setting("ranks to split the model over (gloo on CPU, NCCL on GPU)", 1)
     enforce_eager: bool = setting("never capture CUDA graphs", False)
+    compile: bool = setting(
+        "CPU only: run every forward through graphs that inductor compiled ahead of time (C++, "
+        "weights frozen; compilation.py). The first start compiles them (about a minute per graph) "
+        "into ~/.cache/vllm_from_scratch; later starts load them",
+        False,
+    )
     max_num_seqs: int = setting("most requests in one batch (chapter 04)", 256)
     max_num_batched_tokens: int = setting(
         "token budget of one step; None: 2048 with chunked prefill, else max(max_model_len, 8192)"
@@ -237,6 +247,10 @@ class EngineConfig:
             raise ParameterError("attention_backend", f"must be one of {BACKENDS}, got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ParameterError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.compile and (self.torch_device.type != "cpu" or self.tensor_parallel_size > 1):
+            raise ParameterError(
+                "compile", "needs device 'cpu' and tensor_parallel_size 1 (a GPU captures CUDA graphs instead)"
+            )
         if self.cpu_kvcache_space_gib <= 0:
             raise ParameterError("cpu_kvcache_space_gib", f"must be positive, got {self.cpu_kvcache_space_gib!r}")
         max_pos = getattr(self.hf_config, "max_position_embeddings", 4096)

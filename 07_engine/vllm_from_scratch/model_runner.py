@@ -19,6 +19,7 @@ from rejection_sampler_triton import rejection_sample_triton
 from scheduler import Request, SchedulerOutput
 from spec_decode import RejectionNoise, num_accepted_tokens, pad_draft_token_ids, rejection_sample
 from triton_setup import HAS_TRITON
+from vllm_from_scratch.compilation import CompiledForward
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.cuda_graph import MAX_CAPTURE_SIZE, CUDAGraphRunner
 from vllm_from_scratch.kv_connector import BlockTransfer, KVConnectorWorker
@@ -119,6 +120,10 @@ class ModelRunner:
         self.kv_worker = KVConnectorWorker(config, tp_rank, self.kv_cache) if config.kv_transfer else None
         self.graph_runner = (
             self.capture_cudagraph() if self.device.type == "cuda" and not config.enforce_eager else None
+        )
+        # On a CPU, EngineConfig.compile: every forward through inductor's graphs (compilation.py).
+        self.compiled_forward = (
+            CompiledForward.load_or_compile(config, self.model, self.kv_cache) if config.compile else None
         )
 
     def capture_cudagraph(self) -> CUDAGraphRunner:
@@ -232,7 +237,7 @@ class ModelRunner:
     def _bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
         for i, attn in enumerate(self.attn_layers):
-            attn.k_cache, attn.v_cache = kv_cache[0, i], kv_cache[1, i]
+            attn.bind_kv_cache(kv_cache, i)
 
     def get_num_kvcache_blocks(self) -> int:
         return self.num_kvcache_blocks
@@ -288,10 +293,13 @@ class ModelRunner:
         )
 
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
-        """Hidden states of every token of ``batch`` (through a decode graph when one fits)."""
+        """Hidden states of every token of ``batch`` (through a decode graph when one fits, through
+        the compiled forward when there is one)."""
         md = self.attention_metadata(batch)
         if self.graph_runner is not None and self.graph_runner.can_run(batch.input_ids, md):
             return self.graph_runner.run(batch.input_ids, batch.positions, md)
+        if self.compiled_forward is not None:
+            return self.compiled_forward.run(batch.input_ids, batch.positions, md, self.kv_cache)
         return self.model(batch.input_ids, batch.positions, md)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

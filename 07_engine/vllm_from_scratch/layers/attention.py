@@ -1,6 +1,11 @@
 """The attention layer: store this step's K/V in the paged cache (chapter 01's ``store_kvcache``),
 then attend over it (chapter 02's ``paged_attention``, which picks flash-attn, Triton or torch by
 device). The batch arrives as an explicit :class:`AttentionMetadata`, not through a global.
+
+Under ``torch.compile`` or ``torch.export`` the two calls are one opaque operator,
+:func:`unified_attention` (vLLM's name for the same thing): the kernels choose their path from the
+batch's values, which no graph can hold, and the compiler fuses everything around it
+(``compilation.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ class AttentionMetadata:
         block_tables: ``[B, max_blocks]`` int32 physical blocks of each request (padded).
         max_seqlen_q / max_seqlen_k: the largest of each (flash-attn wants them as ints).
         is_decode: every request brings exactly one token, so the decode kernel applies.
+        kv_cache: the whole ``[2, layers, blocks, block_size, kv_heads, head_dim]`` cache when a
+            compiled forward takes it as an input (``compilation.py``); None in an eager forward,
+            where each layer uses the slices bound to it.
     """
 
     slot_mapping: torch.Tensor
@@ -34,13 +42,91 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     is_decode: bool
+    kv_cache: torch.Tensor | None = None
+
+
+def store_and_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    backend: str,
+    max_seqlen_q: int,
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
+    """Write ``k``/``v`` (``[T, kv_heads, head_dim]``) to their slots, then attend with ``q``."""
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    return paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens_k,
+        block_tables,
+        scale,
+        max_seqlen_q=max_seqlen_q,
+        backend=backend,
+        max_seqlen_k=max_seqlen_k,
+    )
+
+
+@torch.library.custom_op("vllm_fs::unified_attention", mutates_args=("kv_cache",))
+def unified_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer_index: int,
+    slot_mapping: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:
+    """:func:`store_and_attend` as one operator a compiled graph calls without looking inside.
+
+    It takes the whole KV cache (``[2, layers, ...]``) and this layer's index rather than the
+    layer's two views of it: the graph then sees one input written in place, not two aliases of
+    it per layer (which ``torch.export`` would copy back into the cache, and not all of them).
+    No integer of the batch is an argument (it would be baked into the graph): the shape says
+    what they would, since every request brings one token exactly when there are as many tokens
+    as requests, and the token count bounds any request's share of them.
+    """
+    is_decode = q.shape[0] == block_tables.shape[0]
+    return store_and_attend(
+        q,
+        k,
+        v,
+        kv_cache[0, layer_index],
+        kv_cache[1, layer_index],
+        slot_mapping,
+        cu_seqlens_q,
+        seq_lens_k,
+        block_tables,
+        scale,
+        backend,
+        max_seqlen_q=1 if is_decode else q.shape[0],
+    )
+
+
+@unified_attention.register_fake
+def _(q: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 class Attention(nn.Module):
     """Paged multi-head / grouped-query attention over ``k_cache``/``v_cache``.
 
-    The model runner points ``k_cache`` and ``v_cache`` at this layer's slice of the KV cache
-    tensor (``[num_blocks, block_size, num_kv_heads, head_dim]`` each) after allocating it.
+    The model runner binds the KV cache tensor to every layer after allocating it
+    (:meth:`bind_kv_cache`): ``k_cache`` and ``v_cache`` are this layer's slices of it
+    (``[num_blocks, block_size, num_kv_heads, head_dim]`` each).
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
@@ -50,6 +136,11 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         self.backend = "auto"  # chapter 02's choice by device; tests may force "torch" or "triton"
         self.k_cache = self.v_cache = torch.tensor([])
+        self.layer_index = 0
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor, layer_index: int) -> None:
+        """Read and write layer ``layer_index`` of ``kv_cache`` (``[2, layers, blocks, ...]``)."""
+        self.k_cache, self.v_cache, self.layer_index = kv_cache[0, layer_index], kv_cache[1, layer_index], layer_index
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -57,17 +148,14 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.k_cache.numel() == 0:
             raise RuntimeError("the KV cache is not allocated: ModelRunner.allocate_kv_cache() binds it")
-        store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
-        o = paged_attention(
-            q,
-            self.k_cache,
-            self.v_cache,
-            md.cu_seqlens_q,
-            md.seq_lens_k,
-            md.block_tables,
-            self.scale,
-            max_seqlen_q=1 if md.is_decode else md.max_seqlen_q,
-            backend=self.backend,
-            max_seqlen_k=md.max_seqlen_k,
-        )
+        batch = (md.slot_mapping, md.cu_seqlens_q, md.seq_lens_k, md.block_tables)
+        if torch.compiler.is_compiling():
+            if md.kv_cache is None:
+                raise RuntimeError("a compiled forward takes the whole KV cache in AttentionMetadata.kv_cache")
+            o = unified_attention(q, k, v, md.kv_cache, self.layer_index, *batch, self.scale, self.backend)
+        else:
+            max_seqlen_q = 1 if md.is_decode else md.max_seqlen_q
+            o = store_and_attend(
+                q, k, v, self.k_cache, self.v_cache, *batch, self.scale, self.backend, max_seqlen_q, md.max_seqlen_k
+            )
         return o.reshape(-1, self.num_heads * self.head_dim)

@@ -101,7 +101,12 @@ def linear(
     packed_fp32: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the packed copy of ``weight`` when there is one, and
-    from :data:`FLOAT32_MIN_ROWS` rows through its packed float32 copy when there is one."""
+    from :data:`FLOAT32_MIN_ROWS` rows through its packed float32 copy when there is one.
+
+    A graph being compiled gets plain ``F.linear``: inductor packs frozen weights itself, and
+    oneDNN's packed tensors are opaque to its tracer (``compilation.py``)."""
+    if torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
     if packed_fp32 is not None and x.numel() >= FLOAT32_MIN_ROWS * x.shape[-1] and x.device.type == "cpu":
         bias = None if bias is None else bias.float()
         return torch.ops.mkldnn._linear_pointwise(x.float(), packed_fp32, bias, "none", [], "").to(x.dtype)

@@ -1,0 +1,208 @@
+"""The model's forward compiled ahead of time by inductor, cached on disk (``EngineConfig.compile``).
+
+On a CPU a forward of a few tokens is mostly overhead: Python and one dispatch per op between
+the layers' matmuls, and matrix-vector products that oneDNN reads the weights for more slowly
+than a kernel made for them. Compiling removes the first and replaces the second, without a
+change to the model's code:
+
+* ``torch.export`` traces the forward once, with every tensor it reads as an input (the KV cache
+  too, so the graph holds no copy of it), and the token count, request count, block-table width
+  and cache size symbolic. Attention is one opaque operator (``layers/attention.py``,
+  :func:`~vllm_from_scratch.layers.attention.unified_attention`); the linear layers are plain
+  ``F.linear`` while traced (``layers/prepacked.py``).
+* AOTInductor compiles the graph to C++ with the weights frozen (constants), so norms, residual
+  adds, RoPE and SiLU·mul fuse into loops between the matmuls, and packs it with its weights into
+  one file. Two graphs, split by token count (:data:`SMALL_BATCH_TOKENS`): small batches use
+  inductor's own GEMM kernels (``max_autotune`` with its C++ template), which read a weight
+  about twice as fast as oneDNN when a matmul has a row or two; larger ones keep oneDNN's packed
+  GEMMs, which the template falls far behind from about eight rows.
+* A package is written once under ``$XDG_CACHE_HOME/vllm_from_scratch/compiled/`` (normally
+  ``~/.cache``) in a directory named by everything the compiled code depends on
+  (:func:`compile_key`); a later process loads it in a fraction of a second.
+
+Why not ``torch.compile`` with inductor's own caches: its FX graph cache refuses a graph whose
+frozen weights are oneDNN tensors, and even a cache hit reruns Dynamo, AOTAutograd and freezing
+for the whole model at every start. Measured figures: 07_engine/topics/performance.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from chunked_prefill import SchedulerInfo, build_batch_inputs
+from paged_attention_cpu import _cpu_fingerprint
+from vllm_from_scratch.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from torch._inductor.package.package import AOTICompiledModel
+
+    from vllm_from_scratch.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+# Batches of at most this many tokens run the graph with inductor's GEMM template, larger ones the
+# graph with oneDNN's (see the module docstring).
+SMALL_BATCH_TOKENS = 4
+# The inductor settings of each graph, on top of weight freezing.
+GRAPHS: dict[str, dict[str, object]] = {
+    "small": {"max_autotune": True, "max_autotune_gemm_backends": "CPP"},
+    "large": {},
+}
+STAMP = "key.txt"
+# The code a graph is traced from: the models, their layers and this module.
+_SOURCES = [
+    Path(__file__),
+    *sorted(Path(__file__).parent.glob("models/*.py")),
+    *sorted(Path(__file__).parent.glob("layers/*.py")),
+]
+
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/vllm_from_scratch/compiled`` (``~/.cache/...`` when the variable is unset)."""
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache_home) / "vllm_from_scratch" / "compiled"
+
+
+def compile_key(config: EngineConfig) -> str:
+    """Everything a compiled forward depends on, one ``name value`` line each: the traced code,
+    the checkpoint (its config and the size and time of each weight file: the weights are frozen
+    into the package), the KV layout, the dtype, the threads (the C++ loops are split for them),
+    torch, Python and the CPU. A package is loaded only when its key equals this one."""
+    model_dir = Path(config.model_dir).resolve()
+    weights = sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin"))
+    source = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()
+    checkpoint = hashlib.sha256(json.dumps(config.hf_config.to_dict(), sort_keys=True, default=str).encode())
+    for path in weights:
+        stat = path.stat()
+        checkpoint.update(f"{path.name} {stat.st_size} {stat.st_mtime_ns}\n".encode())
+    return (
+        f"source sha256:{source}\n"
+        f"model {model_dir} sha256:{checkpoint.hexdigest()}\n"
+        f"dtype {config.torch_dtype} block_size {config.kvcache_block_size} attention {config.attention_backend}\n"
+        f"threads {torch.get_num_threads()}\n"
+        f"torch {torch.__version__}\n"
+        f"python {sys.implementation.cache_tag} {platform.python_version()}\n"
+        f"cpu {_cpu_fingerprint()}\n"
+    )
+
+
+class _ForwardWithCache(nn.Module):
+    """``model(input_ids, positions, metadata)`` with the metadata's tensors and the whole KV cache
+    ``[2, layers, blocks, block_size, kv_heads, head_dim]`` as inputs, for ``torch.export``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens_k: torch.Tensor,
+        block_tables: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        # The integers are never read when compiling: unified_attention takes the batch's shape.
+        md = AttentionMetadata(slot_mapping, cu_seqlens_q, seq_lens_k, block_tables, 0, 0, False, kv_cache)
+        return self.model(input_ids, positions, md)
+
+
+def _example_inputs(num_tokens: int, kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, ...]:
+    """A two-request batch of ``num_tokens`` tokens over a 7-block cache shaped like ``kv_cache``:
+    every symbolic size distinct from the others (the tracer must not assume two of them equal)."""
+    info = SchedulerInfo()
+    info.add_row("a", [0] * (num_tokens - 1), 4 * block_size, list(range(5)), samples=True)
+    info.add_row("b", [0], 0, [5], samples=True)
+    batch = build_batch_inputs(info, block_size, kv_cache.device)
+    cache = kv_cache.new_zeros(kv_cache.shape[:2] + (7,) + kv_cache.shape[3:])
+    return (
+        batch.input_ids,
+        batch.positions,
+        batch.slot_mapping,
+        batch.cu_seqlens_q,
+        batch.seq_lens_k,
+        batch.block_tables,
+        cache,
+    )
+
+
+def _compile_graph(model: nn.Module, kv_cache: torch.Tensor, block_size: int, name: str, path: Path) -> None:
+    """Export the forward for the token range of graph ``name`` and compile it into ``path``."""
+    tokens = (
+        torch.export.Dim("tokens", min=1, max=SMALL_BATCH_TOKENS)
+        if name == "small"
+        else torch.export.Dim("tokens", min=SMALL_BATCH_TOKENS + 1)
+    )
+    seqs, width, blocks = torch.export.Dim("seqs", min=1), torch.export.Dim("width"), torch.export.Dim("blocks")
+    dynamic_shapes = (
+        {0: tokens},
+        {0: tokens},
+        {0: tokens},
+        {0: seqs + 1},
+        {0: seqs},
+        {0: seqs, 1: width},
+        {2: blocks},
+    )
+    example = _example_inputs(SMALL_BATCH_TOKENS if name == "small" else 2 * SMALL_BATCH_TOKENS, kv_cache, block_size)
+    with torch.inference_mode():
+        program = torch.export.export(_ForwardWithCache(model), example, dynamic_shapes=dynamic_shapes, strict=False)
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.pt2")
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=str(partial), inductor_configs={"freezing": True, **GRAPHS[name]}
+        )
+    os.replace(partial, path)
+
+
+class CompiledForward:
+    """The forward of any batch through the compiled graph for its token count.
+
+    Built by :meth:`load_or_compile`; :meth:`run` takes what ``model.forward`` takes (plus the
+    KV cache) and returns the same hidden states.
+    """
+
+    def __init__(self, graphs: dict[str, AOTICompiledModel]):
+        self.graphs = graphs
+
+    @classmethod
+    def load_or_compile(cls, config: EngineConfig, model: nn.Module, kv_cache: torch.Tensor) -> CompiledForward:
+        """Load the graphs cached for this configuration, compiling (and caching) them first if
+        there are none. Compiling takes about a minute per graph for the default model on a
+        2-core CPU; loading a fraction of a second."""
+        key = compile_key(config)
+        directory = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:16]
+        stamp = directory / STAMP
+        if not (stamp.is_file() and stamp.read_text() == key):
+            directory.mkdir(parents=True, exist_ok=True)
+            for name in GRAPHS:
+                start = time.perf_counter()
+                log.info("compiling the %s-batch forward into %s", name, directory)
+                _compile_graph(model, kv_cache, config.kvcache_block_size, name, directory / f"{name}.pt2")
+                log.info("compiled the %s-batch forward in %.1f s", name, time.perf_counter() - start)
+            partial = stamp.with_name(f"{STAMP}.{os.getpid()}")
+            partial.write_text(key)
+            os.replace(partial, stamp)
+        start = time.perf_counter()
+        graphs = {name: torch._inductor.aoti_load_package(str(directory / f"{name}.pt2")) for name in GRAPHS}
+        log.info("loaded the compiled forward from %s in %.1f s", directory, time.perf_counter() - start)
+        return cls(graphs)
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Hidden states of every token, as ``model(input_ids, positions, md)`` returns them; the
+        batch's K/V is written to ``kv_cache``."""
+        graph = self.graphs["small" if input_ids.shape[0] <= SMALL_BATCH_TOKENS else "large"]
+        return graph(input_ids, positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens_k, md.block_tables, kv_cache)
