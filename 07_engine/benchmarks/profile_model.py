@@ -17,6 +17,13 @@ and times every shape twice in a row, eager and through the compiled graphs
     .venv/bin/python 07_engine/benchmarks/profile_model.py --profile                # decode 1 and 32, prefill 512
     .venv/bin/python 07_engine/benchmarks/profile_model.py --repeats 3 --bf16-only   # without the float32 copies
     .venv/bin/python 07_engine/benchmarks/profile_model.py --compile --repeats 7      # eager against compiled
+    .venv/bin/python 07_engine/benchmarks/profile_model.py --engine-steps             # the whole step, by phase
+
+``--engine-steps`` times whole ``LLMEngine.step()`` calls instead, on real requests (decode
+steps of ``B`` requests with ``--context-len``-token prompts, then a prefill chunk of each
+length), split by phase: scheduling, building the inputs (chapter 06), the forward, the LM head,
+sampling, the scheduler's update, and detokenizing with stop checks; "other" is the rest of the
+step. Everything but the forward and the LM head is the engine's own Python.
 """
 
 from __future__ import annotations
@@ -200,6 +207,78 @@ def profile_step(runner: ModelRunner, batch, iters: int, compiled: bool = False)
     print("    top-level ops: " + ", ".join(f"{name} {ms:.2f}" for name, ms in top))
 
 
+ENGINE_PHASES = (
+    ("scheduler", "schedule", "schedule"),
+    ("model_runner", "build_batch_inputs", "build inputs"),
+    ("runner", "_forward", "forward"),
+    ("runner", "_logits", "LM head"),
+    ("runner", "sampler", "sample"),
+    ("scheduler", "update_from_output", "update"),
+    ("engine", "_process", "detokenize"),
+)
+
+
+def time_engine_phases(args: argparse.Namespace) -> None:
+    """Median phase times of real engine steps (``--engine-steps``): see the module docstring."""
+    import vllm_from_scratch.model_runner as model_runner
+    from vllm_from_scratch import LLM, SamplingParams
+
+    budget = max(args.prefill_lens + [max(args.batch_sizes)])
+    engine = LLM(args.model or default_model_dir(), dtype=args.dtype, max_num_batched_tokens=budget).llm_engine
+    spent: dict[str, float] = defaultdict(float)
+    owners = {"scheduler": engine.scheduler, "model_runner": model_runner, "runner": engine.executor.runner}
+    owners["engine"] = engine
+    for owner, attr, label in ENGINE_PHASES:
+        fn = getattr(owners[owner], attr)
+
+        def timed(*a, _fn=fn, _label=label, **kw):
+            start = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                spent[_label] += time.perf_counter() - start
+
+        setattr(owners[owner], attr, timed)
+    print(machine())
+    print(f"engine steps; {engine.config.torch_dtype}, {torch.get_num_threads()} threads")
+    params = SamplingParams(temperature=0.0, max_tokens=args.iters + 8, ignore_eos=True)
+    ids = iter(range(10**9))
+
+    def prompt(n: int) -> list[int]:
+        return [(31 * next(ids)) % (engine.config.vocab_size - 200) + 100 for _ in range(n)]
+
+    def report(name: str, steps: int, wall: float) -> None:
+        parts = {label: spent[label] * 1e3 / steps for _, _, label in ENGINE_PHASES}
+        other = wall * 1e3 / steps - sum(parts.values())
+        cells = "  ".join(f"{k} {v:.2f}" for k, v in parts.items())
+        print(
+            f"  {name:<13} step {wall * 1e3 / steps:8.2f} ms  {cells}  other {other:.2f}  load {os.getloadavg()[0]:.2f}"
+        )
+
+    for _ in range(args.repeats):
+        for b in args.batch_sizes:
+            for _ in range(b):
+                engine.add_request(prompt(args.context_len), params)
+            while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+                engine.step()
+            spent.clear()
+            start = time.perf_counter()
+            for _ in range(args.iters):
+                engine.step()
+            report(f"decode B={b}", args.iters, time.perf_counter() - start)
+            for rid in list(engine.requests):
+                engine.abort_request(rid)
+            engine.step()
+        for n in args.prefill_lens:
+            engine.add_request(prompt(n + 1), SamplingParams(max_tokens=1))
+            spent.clear()
+            start = time.perf_counter()
+            engine.step()  # the first n tokens: a chunk that does not sample
+            report(f"prefill {n}", 1, time.perf_counter() - start)
+            while engine.has_unfinished_requests():
+                engine.step()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M-Instruct)")
@@ -229,8 +308,16 @@ def main() -> None:
         action="store_true",
         help="also time the forward compiled by inductor (EngineConfig.compile), alternating with the eager one",
     )
+    parser.add_argument(
+        "--engine-steps",
+        action="store_true",
+        help="time whole engine steps on real requests, split by phase, instead of the forward alone",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.engine_steps:
+        time_engine_phases(args)
+        return
 
     start = time.perf_counter()
     runner = ModelRunner(
