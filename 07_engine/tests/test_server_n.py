@@ -30,8 +30,8 @@ from server_testing import ServerProcess
 from test_parallel_sampling import PROMPT as TOKEN_PROMPT
 from test_parallel_sampling import tiny_llm
 from test_server import _abort_count, _assert_idle_soon
-from test_server_logprobs import made_up_entry, offsets
-from test_server_protocol import MODEL, ScriptedEngine, sse_events
+from test_server_logprobs import made_up_entry, offsets, post, stream_chunks
+from test_server_protocol import MODEL, ScriptedEngine
 from vllm_from_scratch.api_server import build_app
 from vllm_from_scratch.async_llm import AsyncLLM
 from vllm_from_scratch.metrics import ServerMetrics
@@ -44,18 +44,6 @@ PROMPTS = [[20, 21, 22], [30, 31]]
 tokenizer = test_server_protocol.tokenizer
 engine = test_server_protocol.engine
 client = test_server_protocol.client
-
-
-def post(client, path: str, body: dict) -> dict:
-    resp = client.post(path, json={"model": MODEL, **body})
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def stream_chunks(client, path: str, body: dict) -> list[dict]:
-    events = sse_events(client.post(path, json={"model": MODEL, **body, "stream": True}).text)
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
 
 
 def scripted(tokenizer, prompt: list[int], k: int, max_tokens: int) -> str:
