@@ -226,3 +226,30 @@ def test_positional_model_and_get_tokenizer(llm):
     assert llm.get_tokenizer() is llm.llm_engine.tokenizer is not None
     with pytest.raises(TypeError):
         LLM()  # type: ignore[call-arg]  # the model is required, by position or as model=
+
+
+def test_skip_special_tokens_decides_whether_eos_text_shows(llm):
+    eos = llm.get_tokenizer().eos_token_id
+    forced = dict(temperature=0.0, max_tokens=2, ignore_eos=True, logit_bias={eos: 100.0})
+    skipped, kept = (
+        llm.generate("Hi", SamplingParams(**forced, skip_special_tokens=skip), use_tqdm=False)[0].outputs[0]
+        for skip in (True, False)
+    )
+    assert skipped.token_ids == kept.token_ids == [eos, eos]
+    assert skipped.text == "", "vLLM's default leaves special tokens out of the text"
+    assert kept.text == llm.get_tokenizer().eos_token * 2
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
+    prompt = list(range(300, 340))
+    short = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=4, truncate_prompt_tokens=6), use_tqdm=False
+    )
+    alone = llm.generate(prompt[-6:], GREEDY, use_tqdm=False)
+    assert short[0].prompt_token_ids == prompt[-6:]
+    assert short[0].outputs[0].token_ids == alone[0].outputs[0].token_ids[:4]
+    whole = llm.generate(prompt, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)
+    assert whole[0].prompt_token_ids == prompt, "-1 keeps up to max_model_len tokens"
+    for bad in (0, -2, 513, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            llm.generate(prompt, SamplingParams(max_tokens=1, truncate_prompt_tokens=bad), use_tqdm=False)

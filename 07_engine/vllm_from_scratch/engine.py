@@ -103,8 +103,14 @@ class IncrementalDetokenizer:
     strip a leading space (SentencePiece) see the context that decides it.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, prompt_token_ids: list[int]):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.prefix_offset = max(len(prompt_token_ids) - 5, 0)
         self.read_offset = len(prompt_token_ids)
         self.text = ""
@@ -112,7 +118,7 @@ class IncrementalDetokenizer:
     def update(self, all_token_ids: list[int]) -> None:
         if self.tokenizer is None:
             return
-        decode = partial(self.tokenizer.decode, skip_special_tokens=True)
+        decode = partial(self.tokenizer.decode, skip_special_tokens=self.skip_special_tokens)
         # One sequence of ids decodes to one string (the stubs also allow a batch's list).
         prefix = str(decode(all_token_ids[self.prefix_offset : self.read_offset]))
         full = str(decode(all_token_ids[self.prefix_offset :]))
@@ -154,7 +160,7 @@ class EngineRequest(Request):
         self.stop_strings = list(params.stop or ())  # a list once SamplingParams is validated
         # On the device that samples: ATen refuses a CPU generator for CUDA noise.
         self.generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
-        self.detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_token_ids)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_token_ids, params.skip_special_tokens)
         self.text = ""  # the decoded output, cut at a stop string
         self.num_text_sent = 0
         # vLLM's logprob results, filled step by step (engine.fold_logprobs); None: not asked.
@@ -231,10 +237,18 @@ class ParentRequest:
 
 
 def encode_prompt(
-    tokenizer: PreTrainedTokenizerBase | None, prompt: str | list[int], vocab_size: int, max_model_len: int
+    tokenizer: PreTrainedTokenizerBase | None,
+    prompt: str | list[int],
+    vocab_size: int,
+    max_model_len: int,
+    truncate_prompt_tokens: int | None = None,
 ) -> list[int]:
     """Token ids of ``prompt`` (text through ``tokenizer``, or ids as given), checked: not empty,
-    inside the vocabulary, shorter than ``max_model_len``. :class:`ParameterError` on ``prompt``."""
+    inside the vocabulary, shorter than ``max_model_len``. :class:`ParameterError` on ``prompt``.
+
+    ``truncate_prompt_tokens`` (``SamplingParams``'): keep the last ``k`` ids, ``-1`` the last
+    ``max_model_len``, as vLLM does; more than ``max_model_len`` is an error naming it.
+    """
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ParameterError("prompt", "must be a list of token ids: this checkpoint has no tokenizer")
@@ -243,6 +257,14 @@ def encode_prompt(
         token_ids = list(prompt)
     else:
         raise ParameterError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+    if truncate_prompt_tokens is not None:
+        if truncate_prompt_tokens > max_model_len:
+            raise ParameterError(
+                "truncate_prompt_tokens",
+                f"must be at most max_model_len ({max_model_len}), got {truncate_prompt_tokens}",
+            )
+        keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        token_ids = token_ids[-keep:]
     if not token_ids:
         raise ParameterError("prompt", "must not be empty")
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
@@ -401,7 +423,9 @@ class LLMEngine:
         params.validate()
         self._check_sampling_support(params)
         check_int("priority", priority, -(2**63))
-        token_ids = encode_prompt(self.tokenizer, prompt, self.config.vocab_size, self.max_model_len)
+        token_ids = encode_prompt(
+            self.tokenizer, prompt, self.config.vocab_size, self.max_model_len, params.truncate_prompt_tokens
+        )
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         child_ids = [child_request_id(i, request_id) for i in range(params.n)] if params.n > 1 else []

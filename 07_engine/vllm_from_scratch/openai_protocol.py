@@ -121,7 +121,7 @@ SHARED_FIELDS: dict[str, tuple[Any, ...]] = {
     "ignore_eos": (),
     "min_tokens": (0,),
     "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,),  # the engine's detokenizer does skip them
+    "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (),
     "allowed_token_ids": (),

@@ -84,6 +84,11 @@ class SamplingParams:
             top-k and top-p); None: none. >= 0.
         prompt_logprobs: the same for every prompt token after the first; None: none. >= 0.
             Such a request takes no prefix-cache hits: its prompt is recomputed to score it.
+        skip_special_tokens: leave special tokens (EOS, chat-template markers) out of ``text``;
+            ``token_ids`` always holds them. vLLM's default True.
+        truncate_prompt_tokens: keep only the prompt's last ``k`` tokens (left truncation);
+            -1: the last ``max_model_len``; None: no truncation. The engine checks it against
+            ``max_model_len``.
             With ``n`` > 1 only completion 0 scores the prompt (once for the request).
 
     Every rule lives in :meth:`validate`, which raises :class:`ParameterError` naming the field.
@@ -107,6 +112,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -128,7 +135,7 @@ class SamplingParams:
         check_int("top_k", self.top_k, -1)
         if self.max_tokens is not None:
             check_int("max_tokens", self.max_tokens, 1)
-        for flag in ("ignore_eos", "include_stop_str_in_output"):
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 raise ParameterError(flag, f"must be true or false, got {getattr(self, flag)!r}")
         # Lists since __post_init__, unless reassigned since (the engine validates again).
@@ -161,6 +168,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 0)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1)
 
     def child_params(self, index: int) -> SamplingParams:
         """The settings of completion ``index`` of ``n``: one sample, as vLLM's

@@ -233,7 +233,10 @@ class OpenAIServing:
                 prompts: list[str | list[int]] = [self.render_chat(body.conversation(), **body.chat_options())]
             else:
                 prompts = body.prompts()
-            ids = [encode_prompt(self.tokenizer, p, self.vocab_size, self.max_model_len) for p in prompts]
+            ids = [
+                encode_prompt(self.tokenizer, p, self.vocab_size, self.max_model_len, params.truncate_prompt_tokens)
+                for p in prompts
+            ]
         except ValueError as exc:
             raise api_error(exc, body.field_names) from exc
         echo = isinstance(body, CompletionRequest) and body.echo
