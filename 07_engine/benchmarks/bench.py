@@ -442,6 +442,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[32, 64],
         help="transformers static batch sizes, each run over the whole workload (none: skip transformers)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the engine's forward through its compiled graphs (EngineConfig.compile; the first start compiles)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument(
@@ -603,13 +608,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_num_batched_tokens:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     engine_kwargs["warm_up"] = args.engine_warm_up
+    engine_kwargs["compile"] = args.compile
     # Later passes draw new prompts (another seed), so the prefix cache cannot serve them.
     more = [
         make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed + i)
         for i in range(1, args.passes)
     ]
     rates, startup_s = bench_engine(model_dir, prompts, outputs, 0.0, watch=watch, more_workloads=more, **engine_kwargs)
-    engine_name = f"engine {args.dtype}{'' if args.engine_warm_up else ' (no start-up warm-up)'}"
+    engine_name = f"engine {args.dtype}{' compiled' * args.compile}"
+    engine_name += "" if args.engine_warm_up else " (no start-up warm-up)"
     rows = [(engine_name + (f", pass {i + 1}" if args.passes > 1 else ""), tps) for i, tps in enumerate(rates)]
     details = {rows[0][0]: {"startup_s": round(startup_s, 2)}}
     hf = [
