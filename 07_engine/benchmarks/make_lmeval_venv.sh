@@ -43,16 +43,15 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-if [ -e "$VENV" ] && [ "$FORCE" = 1 ]; then rm -rf "$VENV"; fi
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+# shellcheck source=venv_lib.sh
+source "$(dirname "$0")/venv_lib.sh"
+fresh_venv "$VENV" "$PYTHON" "$FORCE"
 PIP=("$VENV/bin/python" -m pip)
-"${PIP[@]}" install -q --upgrade pip
 
 # Ask first, download second: an HTTP client has no use for torch, let alone CUDA wheels.
 REPORT="$(mktemp)"
 trap 'rm -f "$REPORT"' EXIT
-echo "resolving $LMEVAL_SPEC $TRANSFORMERS_SPEC ..."
-"${PIP[@]}" install -q --dry-run --ignore-installed --report "$REPORT" "$LMEVAL_SPEC" "$TRANSFORMERS_SPEC" 2>/dev/null
+resolve_into "$VENV" "$REPORT" "$LMEVAL_SPEC" "$TRANSFORMERS_SPEC"
 "$VENV/bin/python" - "$REPORT" <<'PY'
 import json, sys
 items = [i["metadata"] for i in json.load(open(sys.argv[1]))["install"]]

@@ -50,17 +50,15 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-if [ -e "$VENV" ] && [ "$FORCE" = 1 ]; then rm -rf "$VENV"; fi
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+# shellcheck source=venv_lib.sh
+source "$(dirname "$0")/venv_lib.sh"
+fresh_venv "$VENV" "$PYTHON" "$FORCE"
 PIP=("$VENV/bin/python" -m pip)
-"${PIP[@]}" install -q --upgrade pip
 
 # Ask first, download second: refuse a resolution that would bring CUDA wheels or a non-CPU torch.
 REPORT="$(mktemp)"
 trap 'rm -f "$REPORT"' EXIT
-echo "resolving $VLLM_SPEC $TORCH_SPEC ..."
-"${PIP[@]}" install -q --dry-run --ignore-installed --report "$REPORT" "${PIP_EXTRA[@]}" \
-  "$VLLM_SPEC" "$TORCH_SPEC" 2>/dev/null
+resolve_into "$VENV" "$REPORT" "${PIP_EXTRA[@]}" "$VLLM_SPEC" "$TORCH_SPEC"
 "$VENV/bin/python" - "$REPORT" <<'PY'
 import json, sys
 items = [i["metadata"] for i in json.load(open(sys.argv[1]))["install"]]
