@@ -7,11 +7,17 @@ for every chapter's tests and the scripts they start; a value already set is kep
 stays unset, the kernels compile, and the same tests put a kernel's inputs on the GPU
 (``triton_setup.KERNEL_DEVICE``: a compiled kernel cannot read CPU tensors).
 
+A CPU engine compiles its forward by default (minutes per model, dtype and thread count), so
+every engine a test builds passes ``enforce_eager=True`` (``--enforce-eager`` on a command line),
+as vLLM's own tests do, except in ``test_compile.py``: an engine that starts compiling anywhere
+else fails its test at once instead of costing minutes.
+
 The fixtures build tiny random Hugging Face checkpoints (Llama and Qwen3) in a temporary
 directory, so chapters 05 and 07 can compare against transformers without any download.
 """
 
 import os
+import sys
 
 import pytest
 import torch
@@ -26,6 +32,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
+
+
+@pytest.fixture(autouse=True)
+def _compiling_only_in_test_compile(request, monkeypatch):
+    if request.module.__name__.endswith("test_compile") or "vllm_from_scratch" not in sys.modules:
+        return
+    from vllm_from_scratch import compilation
+
+    def refuse(*args):
+        # pytest.fail, not an Exception: the engine would catch that and run eagerly.
+        pytest.fail("this test's engine started compiling its forward: pass enforce_eager=True")
+
+    monkeypatch.setattr(compilation, "_compile_graphs", refuse)
 
 
 def save_tiny_checkpoint(path, arch: str = "llama", seed: int = 0, **overrides) -> str:

@@ -57,4 +57,8 @@ fi
 # under a key of its source, flags, torch, Python and CPU: every later process loads it without a build.
 .venv/bin/python 02_page_attention/paged_attention_cpu.py \
   || echo "note: the C++ attention kernel did not build; attention on the CPU will use the torch path" >&2
+# Compiles the default model's forward (inductor, C++) into ~/.cache/vllm_from_scratch, so that the
+# engine's first start loads it instead of compiling for minutes (enforce_eager=True skips both).
+.venv/bin/python -m vllm_from_scratch.compilation \
+  || echo "note: the forward did not compile; the engine will run it eagerly" >&2
 echo "set-up done: source .venv/bin/activate"

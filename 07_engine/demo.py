@@ -25,7 +25,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--question", action="append", help="ask this instead (repeatable)")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto: bfloat16 where the CPU has it in hardware, else float32 (default: %(default)s)",
+    )
     args = parser.parse_args()
 
     llm = LLM(default_model_dir(), dtype=args.dtype, device="cpu", max_model_len=1024, num_kvcache_blocks=256)

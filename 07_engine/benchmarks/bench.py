@@ -443,9 +443,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="transformers static batch sizes, each run over the whole workload (none: skip transformers)",
     )
     parser.add_argument(
-        "--compile",
+        "--enforce-eager",
         action="store_true",
-        help="run the engine's forward through its compiled graphs (EngineConfig.compile; the first start compiles)",
+        help="run the engine's forward eagerly (EngineConfig.enforce_eager): "
+        "no compiled graphs, no compile at the first start",
     )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -608,14 +609,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_num_batched_tokens:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     engine_kwargs["warm_up"] = args.engine_warm_up
-    engine_kwargs["compile"] = args.compile
+    engine_kwargs["enforce_eager"] = args.enforce_eager
     # Later passes draw new prompts (another seed), so the prefix cache cannot serve them.
     more = [
         make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed + i)
         for i in range(1, args.passes)
     ]
     rates, startup_s = bench_engine(model_dir, prompts, outputs, 0.0, watch=watch, more_workloads=more, **engine_kwargs)
-    engine_name = f"engine {args.dtype}{' compiled' * args.compile}"
+    engine_name = f"engine {args.dtype}{' eager' * args.enforce_eager}"
     engine_name += "" if args.engine_warm_up else " (no start-up warm-up)"
     rows = [(engine_name + (f", pass {i + 1}" if args.passes > 1 else ""), tps) for i, tps in enumerate(rates)]
     details = {rows[0][0]: {"startup_s": round(startup_s, 2)}}

@@ -90,7 +90,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def make_engine(args, **overrides) -> LLMEngine:
-    kwargs = dict(device="cpu", dtype=args.dtype, max_model_len=args.max_model_len)
+    kwargs = dict(device="cpu", dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
     kwargs.update(overrides)
     engine = LLMEngine(args.model, **kwargs)
     run(engine, {0: [("warm-up", random_ids(engine, 8, 0), SamplingParams(max_tokens=2, ignore_eos=True), 0)]})
@@ -339,6 +339,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default=None, help="engine dtype (default: the engine's auto choice)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="every engine runs its forward eagerly (no compiled graphs)"
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     g = parser.add_argument_group("prefix")
     g.add_argument("--shared-len", type=int, default=1000)

@@ -41,7 +41,11 @@ def instance(spec: dict) -> dict:
     from vllm_from_scratch.engine import LLMEngine
 
     kwargs = dict(
-        device="cpu", dtype=spec["dtype"], max_model_len=spec["max_model_len"], kvcache_block_size=spec["block_size"]
+        device="cpu",
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+        kvcache_block_size=spec["block_size"],
+        enforce_eager=spec["enforce_eager"],
     )
     if spec.get("pool"):
         kwargs["kv_transfer_config"] = spec["pool"]
@@ -104,6 +108,7 @@ def serve_args(model: str, args, pool: dict | None) -> list[str]:
         str(args.block_size),
         "--log-level",
         "warning",
+        *["--enforce-eager"] * args.enforce_eager,
     ]
     return argv + (["--kv-transfer-config", json.dumps(pool)] if pool else [])
 
@@ -181,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-size", type=int, default=16, help="KV block size of every instance")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="every engine runs its forward eagerly (no compiled graphs)"
+    )
     parser.add_argument("--pd", action="store_true", help="also measure prefill/decode disaggregation (servers)")
     parser.add_argument("--pd-requests", type=int, default=24)
     parser.add_argument("--pd-rate", type=float, default=1.0, help="requests per second")
@@ -210,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=args.max_model_len,
         new_tokens=args.new_tokens,
         block_size=args.block_size,
+        enforce_eager=args.enforce_eager,
     )
     print(
         f"{cpu_name()}; load average {load_average()}; {args.requests} requests sharing a {args.shared_len}-token "

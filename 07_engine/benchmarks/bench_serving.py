@@ -198,6 +198,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=900.0,
         help="per server; vLLM compiles its model at start-up (minutes on 2 cores)",
     )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="our server runs its forward eagerly (EngineConfig.enforce_eager): no compiled graphs",
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     add_quiet_arg(parser)
     args = parser.parse_args(argv)
@@ -215,10 +220,10 @@ def main(argv: list[str] | None = None) -> dict:
     args.dtype = str(resolve_dtype(args.dtype, "cpu")).removeprefix("torch.")  # vLLM needs a name
     load_before = load_average()
     watch = LoadWatch(args.quiet_below, time.time() + 60 * args.quiet_timeout_min)
+    ours = ["vllm_from_scratch.serve", model_dir, "--dtype", args.dtype, "--device", "cpu", "--log-level", "warning"]
     servers = {
         "our server": ServerProcess(
-            ["vllm_from_scratch.serve", model_dir, "--dtype", args.dtype, "--device", "cpu", "--log-level", "warning"],
-            startup_timeout_s=args.startup_timeout_s,
+            ours + ["--enforce-eager"] * args.enforce_eager, startup_timeout_s=args.startup_timeout_s
         )
     }
     for label in args.vllm_bindings:
@@ -231,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
             results[name] = measure(server, python, model_dir, args, watch, Path(tmp), name)
     print(
         f"\nvllm bench serve: {args.num_prompts} prompts of {args.input_len} random tokens, {args.output_len} "
-        f"new, max concurrency {args.max_concurrency}, ignore_eos, streaming, {args.dtype}\n{machine_line()}\n"
+        f"new, max concurrency {args.max_concurrency}, ignore_eos, streaming, {args.dtype}"
+        f"{'; our server eager' * args.enforce_eager}\n{machine_line()}\n"
         f"load average (1/5/15 min) before {load_before}, after {load_average()}"
     )
     print_table(results)

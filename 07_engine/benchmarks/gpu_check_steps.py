@@ -210,7 +210,16 @@ def parity(model_dir: Path, out: Path, dry_run: bool) -> None:
                 full = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
                 expected.append(full[0, len(p) :].tolist())
         del hf
-        llm = LLM(str(model_dir), device=device, dtype=dtype, max_model_len=1024, num_kvcache_blocks=512, warm_up=False)
+        # A dry run checks the plumbing on a CPU: eager, so it compiles no graphs a GPU would not use.
+        llm = LLM(
+            str(model_dir),
+            device=device,
+            dtype=dtype,
+            max_model_len=1024,
+            num_kvcache_blocks=512,
+            warm_up=False,
+            enforce_eager=dry_run,
+        )
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         got = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         llm.shutdown()
@@ -273,6 +282,7 @@ def decode(model_dir: Path, out: Path, dry_run: bool) -> None:
         max_num_seqs=max(batch_sizes),
         max_model_len=4096 if cuda else 256,
         warm_up=False,
+        enforce_eager=dry_run,
     )
     runner = ModelRunner(config)
     name = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"

@@ -10,7 +10,7 @@ synthetic batches, without the scheduler or the sampler:
 For each shape it prints the first call (oneDNN creates a primitive the first time it meets a
 matmul shape) and the median of ``--iters`` later calls, with the load average beside them.
 ``--profile`` adds a ``torch.profiler`` breakdown by op group, and the time spent outside any
-op (Python and per-op dispatch). ``--compile`` builds the runner with ``EngineConfig.compile``
+op (Python and per-op dispatch). ``--compile`` builds the runner with its compiled forward (``enforce_eager=False``)
 and times every shape twice in a row, eager and through the compiled graphs
 (``vllm_from_scratch/compilation.py``).
 
@@ -224,7 +224,12 @@ def time_engine_phases(args: argparse.Namespace) -> None:
     from vllm_from_scratch import LLM, SamplingParams
 
     budget = max(args.prefill_lens + [max(args.batch_sizes)])
-    engine = LLM(args.model or default_model_dir(), dtype=args.dtype, max_num_batched_tokens=budget).llm_engine
+    engine = LLM(
+        args.model or default_model_dir(),
+        dtype=args.dtype,
+        max_num_batched_tokens=budget,
+        enforce_eager=not args.compile,
+    ).llm_engine
     spent: dict[str, float] = defaultdict(float)
     owners = {"scheduler": engine.scheduler, "model_runner": model_runner, "runner": engine.executor.runner}
     owners["engine"] = engine
@@ -306,7 +311,8 @@ def main() -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="also time the forward compiled by inductor (EngineConfig.compile), alternating with the eager one",
+        help="also time the forward compiled by inductor (the engine's default on a CPU), alternating with the eager "
+        "one; with --engine-steps, the engine runs compiled (else eager)",
     )
     parser.add_argument(
         "--engine-steps",
@@ -326,7 +332,7 @@ def main() -> None:
             device="cpu",
             dtype=args.dtype,
             max_num_seqs=max(args.batch_sizes + [1]),
-            compile=args.compile,
+            enforce_eager=not args.compile,
         )
     )
     if args.bf16_only:

@@ -11,7 +11,14 @@ from vllm_from_scratch import LLM, LLMEngine, RequestOutput, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", max_model_len=128)
+    return LLM(
+        tiny_llama_dir,
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=64,
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=True,
+    )
 
 
 @pytest.mark.parametrize(
@@ -76,7 +83,7 @@ def test_bad_engine_arguments(tiny_llama_dir, kwargs, name):
     if kwargs.get("device") == "cuda:7" and torch.cuda.is_available():
         pytest.skip("a GPU is present: CUDA is a valid device here")
     with pytest.raises(ValueError, match=name):
-        LLMEngine(tiny_llama_dir, **kwargs)
+        LLMEngine(tiny_llama_dir, **kwargs, enforce_eager=True)
 
 
 @pytest.mark.parametrize("native_bf16, expected", [(True, torch.bfloat16), (False, torch.float32)])
@@ -88,7 +95,7 @@ def test_dtype_auto_on_a_cpu_is_bfloat16_only_where_it_is_native(monkeypatch, ti
     try:
         for dtype in ("auto", None):
             assert loader.resolve_dtype(dtype, "cpu") == expected
-        engine = LLMEngine(tiny_llama_dir, device="cpu", num_kvcache_blocks=8, warm_up=False)
+        engine = LLMEngine(tiny_llama_dir, device="cpu", num_kvcache_blocks=8, warm_up=False, enforce_eager=True)
         assert engine.config.torch_dtype == expected
     finally:
         loader._auto_dtype.cache_clear()
@@ -216,6 +223,7 @@ def test_priority_scheduling_from_generate(tiny_llama_dir):
             dtype="float32",
             max_num_seqs=1,
             scheduling_policy=policy,
+            enforce_eager=True,
         )
         for i, (p, prio) in enumerate(zip(prompts, [3, 1, 2, 0])):
             engine.add_request(p, params, request_id=str(i), priority=prio)
@@ -225,7 +233,12 @@ def test_priority_scheduling_from_generate(tiny_llama_dir):
         finish_order[policy] = done
     assert finish_order == {"fcfs": ["0", "1", "2", "3"], "priority": ["3", "1", "2", "0"]}
     llm = LLM(
-        tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", scheduling_policy="priority"
+        tiny_llama_dir,
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=64,
+        dtype="float32",
+        scheduling_policy="priority",
+        enforce_eager=True,
     )
     outs = llm.generate(prompts[:2], GREEDY, use_tqdm=False, priority=[1, 0])
     assert [o["token_ids"] for o in outs] == [hf_greedy(tiny_llama_dir, tuple(p)) for p in prompts[:2]]
@@ -246,7 +259,7 @@ def test_priority_scheduling_from_generate(tiny_llama_dir):
 )
 def test_bad_scheduling_settings(tiny_llama_dir, kwargs, name):
     with pytest.raises(ValueError, match=name):
-        LLMEngine(tiny_llama_dir, **kwargs)
+        LLMEngine(tiny_llama_dir, **kwargs, enforce_eager=True)
 
 
 def test_chapter_knobs_reach_the_scheduler_and_the_attention_layers(tiny_llama_dir):
@@ -258,6 +271,7 @@ def test_chapter_knobs_reach_the_scheduler_and_the_attention_layers(tiny_llama_d
         long_prefill_token_threshold=5,
         attention_backend="torch",
         scheduling_policy="priority",
+        enforce_eager=True,
     )
     assert engine.scheduler.long_prefill_token_threshold == 5 and engine.scheduler.policy == "priority"
     assert {a.backend for a in engine.executor.runner.attn_layers} == {"torch"}

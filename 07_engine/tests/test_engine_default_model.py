@@ -12,7 +12,12 @@ from vllm_from_scratch.engine import IncrementalDetokenizer
 @pytest.fixture(scope="module")
 def llm():
     return LLM(
-        default_model_dir(), dtype="float32", num_kvcache_blocks=64, max_model_len=512, warm_up=False
+        default_model_dir(),
+        dtype="float32",
+        num_kvcache_blocks=64,
+        max_model_len=512,
+        warm_up=False,
+        enforce_eager=True,
     )  # seconds at start; test_engine_warm_up.py tests it
 
 

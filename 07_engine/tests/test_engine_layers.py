@@ -106,7 +106,14 @@ def test_float32_packing_agrees_to_rounding_and_other_dtypes_are_not_packed():
 @pytest.mark.skipif(not BF16_PACKING, reason="this CPU's oneDNN has no bfloat16 matmul")
 def test_model_runner_packs_every_linear_and_logits_do_not_change(tiny_llama_dir):
     runner = ModelRunner(
-        EngineConfig(tiny_llama_dir, device="cpu", kvcache_block_size=4, num_kvcache_blocks=16, dtype="bfloat16")
+        EngineConfig(
+            tiny_llama_dir,
+            device="cpu",
+            kvcache_block_size=4,
+            num_kvcache_blocks=16,
+            dtype="bfloat16",
+            enforce_eager=True,
+        )
     )
     model = runner.model
     packable = [m for m in model.modules() if isinstance(m, LinearBase)] + [model.lm_head]

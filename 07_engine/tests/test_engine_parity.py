@@ -77,7 +77,7 @@ def test_greedy_matches_transformers(model_dir, feature):
     kwargs = dict(kvcache_block_size=BLOCK, dtype="float32", device="cpu")
     kwargs.setdefault("num_kvcache_blocks", 256)
     kwargs.update(FEATURES[feature])
-    llm = LLM(model_dir, **kwargs)
+    llm = LLM(model_dir, **kwargs, enforce_eager=True)
     prompts = make_prompts(0)
     if feature in ("prefix_caching", "all"):
         # A shared 24-token system prefix (3 full blocks), asked twice: the second round hits.
@@ -103,6 +103,7 @@ def test_chunked_prefill_really_chunks(tiny_llama_dir):
         enable_chunked_prefill=True,
         max_num_batched_tokens=16,
         enable_prefix_caching=False,
+        enforce_eager=True,
     )
     engine = llm.llm_engine
     prompt = make_prompts(2, (40,))[0]
@@ -120,7 +121,12 @@ def test_chunked_prefill_really_chunks(tiny_llama_dir):
 def test_mixed_batches_with_decodes_and_late_arrivals(tiny_qwen3_dir):
     """Requests arriving while others decode share forwards (prefill chunks + decode tokens)."""
     llm = LLM(
-        tiny_qwen3_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", max_num_batched_tokens=24
+        tiny_qwen3_dir,
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=64,
+        dtype="float32",
+        max_num_batched_tokens=24,
+        enforce_eager=True,
     )
     engine = llm.llm_engine
     prompts = make_prompts(3, (9, 30, 3, 21))
@@ -165,6 +171,7 @@ def test_greedy_matches_transformers_on_each_attention_backend(tiny_llama_dir, b
         enable_prefix_caching=True,
         enable_chunked_prefill=True,
         max_num_batched_tokens=32,
+        enforce_eager=True,
     )
     layers = [m for m in llm.llm_engine.executor.runner.model.modules() if isinstance(m, Attention)]
     assert layers
@@ -198,10 +205,17 @@ def test_register_model_makes_a_new_architecture_loadable(tiny_llama_dir, tmp_pa
     config["architectures"] = ["MyLlamaForCausalLM"]
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="MyLlamaForCausalLM"):
-        LLM(str(model_dir), dtype="float32", device="cpu")
+        LLM(str(model_dir), dtype="float32", device="cpu", enforce_eager=True)
 
     register_model("MyLlamaForCausalLM", MyLlamaForCausalLM)
-    llm = LLM(str(model_dir), kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", device="cpu")
+    llm = LLM(
+        str(model_dir),
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=64,
+        dtype="float32",
+        device="cpu",
+        enforce_eager=True,
+    )
     assert type(llm.llm_engine.executor.runner.model) is MyLlamaForCausalLM
     prompts = make_prompts(5, (7, 19))
     assert_parity(llm, tiny_llama_dir, prompts)  # same weights as the tiny Llama: same tokens

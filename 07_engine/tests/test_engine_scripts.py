@@ -54,6 +54,7 @@ def test_bench_runs_both_sides_and_writes_json(tiny_llama_dir, tmp_path):
         "3",
         "--threads",
         "1",
+        "--enforce-eager",
         "--json",
         str(out_json),
     ]
@@ -65,7 +66,7 @@ def test_bench_runs_both_sides_and_writes_json(tiny_llama_dir, tmp_path):
     assert report["workload"]["num_requests"] == 3
     systems = [row["system"] for row in report["rows"]]
     auto = str(resolve_dtype("auto", "cpu")).removeprefix("torch.")  # the engine's default, decided by the CPU
-    assert systems[0] == f"engine {auto}"
+    assert systems[0] == f"engine {auto} eager"
     assert systems[1:] == [f"transformers {d} (batch {b}, left pad)" for d in ("float32", "bfloat16") for b in (2, 3)]
     assert all(row["output_tokens_per_s"] > 0 for row in report["rows"])
     best = max(row["output_tokens_per_s"] for row in report["rows"][1:])
@@ -116,6 +117,7 @@ def test_bench_chapters_runs_the_four_ab_runs(tiny_llama_dir, tmp_path):
         "5",
         "--max-num-seqs",
         "2",
+        "--enforce-eager",
         "--json",
         str(out_json),
     ]

@@ -21,7 +21,14 @@ def test_verify_drafts_keeps_the_agreeing_prefix_then_one_token(tiny_llama_dir):
     """Greedy rows: a's first draft agrees with the target, its second does not; b has no drafts;
     c is a prompt chunk that samples nothing."""
     runner = ModelRunner(
-        EngineConfig(tiny_llama_dir, device="cpu", kvcache_block_size=4, num_kvcache_blocks=8, dtype="float32")
+        EngineConfig(
+            tiny_llama_dir,
+            device="cpu",
+            kvcache_block_size=4,
+            num_kvcache_blocks=8,
+            dtype="float32",
+            enforce_eager=True,
+        )
     )
     info = SchedulerInfo()
     info.add_row("a", [7, 11, 12], 5, [0, 1], samples=True, num_spec=2, is_decoding=True)
@@ -37,7 +44,13 @@ def test_verify_drafts_keeps_the_agreeing_prefix_then_one_token(tiny_llama_dir):
 
 def _spec_llm(model_dir, spec, **kw):
     return LLM(
-        model_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=128, dtype="float32", speculative_config=spec, **kw
+        model_dir,
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=128,
+        dtype="float32",
+        speculative_config=spec,
+        **kw,
+        enforce_eager=True,
     )
 
 
@@ -83,7 +96,14 @@ def test_a_seeded_requests_rejection_noise_is_its_own_whatever_the_batch(tiny_ll
     """Its uniforms are sized by its own drafts, not the batch's padded K, so its generator
     advances alike in any batch: the next step's noise matches too."""
     runner = ModelRunner(
-        EngineConfig(tiny_llama_dir, device="cpu", kvcache_block_size=4, num_kvcache_blocks=8, dtype="float32")
+        EngineConfig(
+            tiny_llama_dir,
+            device="cpu",
+            kvcache_block_size=4,
+            num_kvcache_blocks=8,
+            dtype="float32",
+            enforce_eager=True,
+        )
     )
     alone_gen, batched_gen = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     for _ in range(2):

@@ -16,8 +16,8 @@ def greedy(llm: LLM) -> list[list[int]]:
 
 
 def test_warm_up_runs_at_start_by_default_and_changes_no_output(tiny_llama_dir):
-    warm = LLM(tiny_llama_dir, dtype="float32", num_kvcache_blocks=256)
-    cold = LLM(tiny_llama_dir, dtype="float32", num_kvcache_blocks=256, warm_up=False)
+    warm = LLM(tiny_llama_dir, dtype="float32", num_kvcache_blocks=256, enforce_eager=True)
+    cold = LLM(tiny_llama_dir, dtype="float32", num_kvcache_blocks=256, warm_up=False, enforce_eager=True)
     assert warm.llm_engine.warm_up_s > 0 and cold.llm_engine.warm_up_s == 0
     assert greedy(warm) == greedy(cold)
 
@@ -27,4 +27,5 @@ def test_the_server_flag_turns_it_off(tiny_llama_dir):
     EngineConfig.add_cli_args(parser)
     assert EngineConfig.cli_kwargs(parser.parse_args([]))["warm_up"] is True
     kwargs = EngineConfig.cli_kwargs(parser.parse_args(["--no-warm-up"]))
-    assert LLMEngine(tiny_llama_dir, **{**kwargs, "dtype": "float32", "num_kvcache_blocks": 64}).warm_up_s == 0
+    settings = {**kwargs, "dtype": "float32", "num_kvcache_blocks": 64, "enforce_eager": True}
+    assert LLMEngine(tiny_llama_dir, **settings).warm_up_s == 0

@@ -27,6 +27,7 @@ def pooled_llm(model_dir, role="kv_both", **kw) -> LLM:
         dtype="float32",
         kv_transfer_config={"kv_connector": "embedded", "kv_role": role},
         **kw,
+        enforce_eager=True,
     )
 
 
@@ -67,7 +68,7 @@ def test_metrics_count_the_pool_only_where_there_is_one(tiny_llama_dir):
     assert 'vllm:kv_pool_hits_total{model_name="m"} 40.0' in text
     assert f'vllm:kv_pool_loaded_bytes_total{{model_name="m"}} {5.0 * block_bytes}' in text
     assert 'vllm:kv_pool_load_failures_total{model_name="m"} 0.0' in text
-    plain = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32")
+    plain = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", enforce_eager=True)
     assert "kv_pool" not in ServerMetrics("m", plain.llm_engine.get_stats).render().decode()
 
 
@@ -159,12 +160,17 @@ def test_an_aborted_request_waiting_for_its_kv_frees_its_blocks(tiny_llama_dir):
 )
 def test_bad_kv_transfer_config_names_the_key(tiny_llama_dir, config, name):
     with pytest.raises(ParameterError, match=name):
-        LLM(tiny_llama_dir, kv_transfer_config=config)
+        LLM(tiny_llama_dir, kv_transfer_config=config, enforce_eager=True)
 
 
 def test_the_pool_needs_the_prefix_cache(tiny_llama_dir):
     with pytest.raises(ParameterError, match="enable_prefix_caching"):
-        LLM(tiny_llama_dir, kv_transfer_config={"kv_connector": "embedded"}, enable_prefix_caching=False)
+        LLM(
+            tiny_llama_dir,
+            kv_transfer_config={"kv_connector": "embedded"},
+            enable_prefix_caching=False,
+            enforce_eager=True,
+        )
 
 
 @pytest.mark.slow

@@ -51,7 +51,9 @@ def pool_config(master, role: str) -> dict:
 
 def engine(pool: dict | None = None) -> LLM:
     kw = {} if pool is None else {"kv_transfer_config": pool}
-    return LLM(default_model_dir(), dtype="float32", num_kvcache_blocks=128, max_model_len=512, **kw)
+    return LLM(
+        default_model_dir(), dtype="float32", num_kvcache_blocks=128, max_model_len=512, **kw, enforce_eager=True
+    )
 
 
 def prompts(n=3, shared=96):
@@ -76,6 +78,7 @@ def test_a_second_process_is_served_from_the_pool(tmp_path):
             "8",
             "--new-tokens",
             "4",
+            "--enforce-eager",
             "--json",
             str(out),
         ],
@@ -106,6 +109,7 @@ def test_disaggregated_prefill_and_decode_through_the_proxy(store):
         "128",
         "--log-level",
         "warning",
+        "--enforce-eager",
         "--kv-transfer-config",
     ]
     with (

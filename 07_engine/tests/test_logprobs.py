@@ -69,7 +69,7 @@ def test_logprobs_match_transformers(model_dir, feature, monkeypatch):
         monkeypatch.setattr("vllm_from_scratch.model_runner.PROMPT_LOGITS_SLICE", 7)
     kwargs = dict(kvcache_block_size=BLOCK, dtype="float32", device="cpu", num_kvcache_blocks=256)
     kwargs.update(FEATURES[feature])
-    llm = LLM(model_dir, **kwargs)
+    llm = LLM(model_dir, **kwargs, enforce_eager=True)
     prompts = prompts_for(0)
     params = [
         # Sampled with settings that change the sampling distribution, not the reported one.
@@ -123,7 +123,14 @@ def test_logprobs_fields_validate_by_name(tiny_llama_dir):
         with pytest.raises(ParameterError) as info:
             SamplingParams(**{name: -1})
         assert info.value.param == name
-    llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", device="cpu")
+    llm = LLM(
+        tiny_llama_dir,
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=64,
+        dtype="float32",
+        device="cpu",
+        enforce_eager=True,
+    )
     try:
         with pytest.raises(ParameterError) as info:
             llm.generate([[5, 6, 7]], SamplingParams(logprobs=513), use_tqdm=False)
@@ -140,6 +147,7 @@ def test_speculative_decoding_refuses_logprobs(tiny_llama_dir):
         dtype="float32",
         device="cpu",
         speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        enforce_eager=True,
     )
     try:
         for name in ("logprobs", "prompt_logprobs"):
@@ -162,6 +170,7 @@ def test_logprobs_under_tensor_parallelism(tiny_llama_dir):
         kvcache_block_size=BLOCK,
         num_kvcache_blocks=64,
         max_num_batched_tokens=16,
+        enforce_eager=True,
     )
     try:
         prompt = prompts_for(3)[2]
@@ -188,7 +197,7 @@ def test_default_model_logprobs_carry_decoded_tokens_and_min_tokens_holds_stop_s
     from vllm_from_scratch import default_model_dir
 
     model_dir = default_model_dir()
-    llm = LLM(model_dir, dtype="float32", num_kvcache_blocks=64, max_model_len=512, warm_up=False)
+    llm = LLM(model_dir, dtype="float32", num_kvcache_blocks=64, max_model_len=512, warm_up=False, enforce_eager=True)
     try:
         tok = llm.get_tokenizer()
         assert tok is not None

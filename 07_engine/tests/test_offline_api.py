@@ -16,7 +16,14 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = LLM(model=default_model_dir(), dtype="float32", num_kvcache_blocks=64, max_model_len=512, warm_up=False)
+    llm = LLM(
+        model=default_model_dir(),
+        dtype="float32",
+        num_kvcache_blocks=64,
+        max_model_len=512,
+        warm_up=False,
+        enforce_eager=True,
+    )
     yield llm
     llm.shutdown()
 

@@ -26,7 +26,7 @@ SAMPLED = SamplingParams(n=4, temperature=1.0, max_tokens=6, seed=7, ignore_eos=
 
 def tiny_llm(model_dir: str, **kw) -> LLM:
     kw = {"kvcache_block_size": BLOCK, "num_kvcache_blocks": 64, "dtype": "float32", **kw}
-    return LLM(model_dir, **kw)
+    return LLM(model_dir, **kw, enforce_eager=True)
 
 
 def run(engine: LLMEngine) -> list[RequestOutput]:

@@ -141,7 +141,9 @@ def test_logit_bias_reads_json_keys_and_clamps_like_vllm():
 # ---------------------------------------------------------------------------- through the engine
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    engine = LLM(tiny_llama_dir, kvcache_block_size=8, num_kvcache_blocks=64, dtype="float32", device="cpu")
+    engine = LLM(
+        tiny_llama_dir, kvcache_block_size=8, num_kvcache_blocks=64, dtype="float32", device="cpu", enforce_eager=True
+    )
     yield engine
     engine.shutdown()
 
@@ -204,7 +206,7 @@ def test_greedy_with_every_processor_equals_a_transformers_loop(tiny_qwen3_dir, 
         SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10, presence_penalty=-1.0, min_p=0.3),
     ]
     kwargs = dict(kvcache_block_size=8, num_kvcache_blocks=64, dtype="float32", device="cpu") | features
-    llm = LLM(tiny_qwen3_dir, **kwargs)
+    llm = LLM(tiny_qwen3_dir, **kwargs, enforce_eager=True)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         if "num_kvcache_blocks" in features:
@@ -229,6 +231,7 @@ def test_speculative_decoding_refuses_penalties_and_min_tokens(tiny_llama_dir):
         dtype="float32",
         device="cpu",
         speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        enforce_eager=True,
     )
     try:
         for field, value in (("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("min_tokens", 2)):

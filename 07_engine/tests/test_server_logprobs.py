@@ -327,7 +327,14 @@ ATOL = 1e-4  # float32: the engine's paged attention and transformers' sum in di
 def real_client():
     # float32: the comparison with transformers' float32 log-softmax is to float32 tolerance
     # (the default dtype is bfloat16 on a CPU that has it in hardware).
-    engine = LLMEngine(default_model_dir(), dtype="float32", num_kvcache_blocks=64, max_model_len=512, warm_up=False)
+    engine = LLMEngine(
+        default_model_dir(),
+        dtype="float32",
+        num_kvcache_blocks=64,
+        max_model_len=512,
+        warm_up=False,
+        enforce_eager=True,
+    )
     with TestClient(build_app(engine, "default")) as c:
         yield c, engine.tokenizer
 

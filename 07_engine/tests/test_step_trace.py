@@ -30,7 +30,7 @@ def records(path: Path) -> list[dict]:
 
 # ---------------------------------------------------------------------------- the real model
 def test_off_by_default_and_the_engine_only_checks_for_a_tracer(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, num_kvcache_blocks=32, kvcache_block_size=8, max_model_len=128)
+    llm = LLM(tiny_llama_dir, num_kvcache_blocks=32, kvcache_block_size=8, max_model_len=128, enforce_eager=True)
     assert llm.llm_engine.tracer is None
     assert llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)[0]["token_ids"]
 
@@ -97,6 +97,7 @@ def test_drafts_and_acceptances_add_up_to_the_schedulers_counters(tiny_llama_dir
         max_model_len=128,
         step_trace=str(path),
         speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        enforce_eager=True,
     )
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
     llm.generate([prompt, prompt[:9]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
@@ -112,7 +113,12 @@ def test_drafts_and_acceptances_add_up_to_the_schedulers_counters(tiny_llama_dir
 def test_aborts_are_recorded_before_and_during_the_run(tiny_llama_dir, tmp_path):
     path = tmp_path / "abort.jsonl"
     engine = LLMEngine(
-        tiny_llama_dir, num_kvcache_blocks=32, kvcache_block_size=8, max_model_len=128, step_trace=str(path)
+        tiny_llama_dir,
+        num_kvcache_blocks=32,
+        kvcache_block_size=8,
+        max_model_len=128,
+        step_trace=str(path),
+        enforce_eager=True,
     )
     for rid in ("a", "b", "c"):
         engine.add_request([3, 4, 5, 6, 7], GREEDY, request_id=rid)
@@ -132,7 +138,7 @@ def test_aborts_are_recorded_before_and_during_the_run(tiny_llama_dir, tmp_path)
 def test_a_tracer_without_sinks_records_nothing(tiny_llama_dir):
     from vllm_from_scratch.step_trace import StepTracer
 
-    llm = LLM(tiny_llama_dir, num_kvcache_blocks=32, kvcache_block_size=8, max_model_len=128)
+    llm = LLM(tiny_llama_dir, num_kvcache_blocks=32, kvcache_block_size=8, max_model_len=128, enforce_eager=True)
     engine = llm.llm_engine
     engine.tracer = StepTracer(engine)
     seen = []
@@ -153,7 +159,7 @@ def test_pool_field_reports_publishes_and_loads(tiny_llama_dir, tmp_path):
         kv_transfer_config={"kv_connector": "embedded"},
     )
     try:
-        llm = LLM(tiny_llama_dir, **engine_kwargs)
+        llm = LLM(tiny_llama_dir, **engine_kwargs, enforce_eager=True)
     except TypeError as exc:  # the connector's setting is not in this tree
         pytest.skip(f"no kv_transfer_config: {exc}")
     shared = list(range(10, 34))  # 3 blocks
@@ -376,7 +382,9 @@ def test_viz_routes_need_the_api_key_and_redact_the_stream(tiny_llama_dir):
 
     from vllm_from_scratch.api_server import build_app
 
-    engine = LLMEngine(tiny_llama_dir, num_kvcache_blocks=32, kvcache_block_size=8, max_model_len=128)
+    engine = LLMEngine(
+        tiny_llama_dir, num_kvcache_blocks=32, kvcache_block_size=8, max_model_len=128, enforce_eager=True
+    )
     app = build_app(engine, "tiny", api_key="sesame")
     live = app.state.viz
     sent = []

@@ -473,6 +473,7 @@ def test_llm_tp2_greedy_equals_transformers(arch, tiny_llama_dir, tiny_qwen3_dir
         kvcache_block_size=BLOCK,
         enable_chunked_prefill=False,
         **features,
+        enforce_eager=True,
     )
     pids = llm.llm_engine.executor.worker_pids
     assert len(pids) == TP - 1 and all(_alive(p) for p in pids)

@@ -216,7 +216,7 @@ def live_server():
     from vllm_from_scratch import LLMEngine, default_model_dir
     from vllm_from_scratch.api_server import build_app
 
-    engine = LLMEngine(default_model_dir(), num_kvcache_blocks=64, max_model_len=256)
+    engine = LLMEngine(default_model_dir(), num_kvcache_blocks=64, max_model_len=256, enforce_eager=True)
     app = build_app(engine, "SmolLM2-135M-Instruct", api_key="sesame")
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

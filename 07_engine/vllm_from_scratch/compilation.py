@@ -1,4 +1,4 @@
-"""The model's forward compiled ahead of time by inductor, cached on disk (``EngineConfig.compile``).
+"""The model's forward compiled ahead of time by inductor, cached on disk: a CPU engine's default.
 
 On a CPU a forward of a few tokens is mostly overhead: Python and one dispatch per op between
 the layers' matmuls, and matrix-vector products that oneDNN reads the weights for more slowly
@@ -20,6 +20,10 @@ change to the model's code:
   ``~/.cache``) in a directory named by everything the compiled code depends on
   (:func:`compile_key`); a later process loads it in a fraction of a second.
 
+``python -m vllm_from_scratch.compilation`` compiles the default model's graphs at the engine's
+defaults (``setup.sh`` runs it, so that no first start waits); ``EngineConfig.enforce_eager``
+turns all of this off.
+
 Why not ``torch.compile`` with inductor's own caches: its FX graph cache refuses a graph whose
 frozen weights are oneDNN tensors, and even a cache hit reruns Dynamo, AOTAutograd and freezing
 for the whole model at every start. Measured figures: 07_engine/topics/performance.md.
@@ -27,6 +31,7 @@ for the whole model at every start. Measured figures: 07_engine/topics/performan
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
@@ -39,6 +44,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from chunked_prefill import SchedulerInfo, build_batch_inputs
 from paged_attention_cpu import _cpu_fingerprint
@@ -166,6 +172,16 @@ def _compile_graph(model: nn.Module, kv_cache: torch.Tensor, block_size: int, na
     os.replace(partial, path)
 
 
+def _compile_graphs(model: nn.Module, kv_cache: torch.Tensor, block_size: int, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    log.info("compiling the forward into %s (once per model, dtype, thread count and CPU)", directory)
+    desc = "compiling the forward, once (enforce_eager=True skips it)"
+    for name in tqdm(GRAPHS, desc=desc, unit="graph", dynamic_ncols=True):
+        start = time.perf_counter()
+        _compile_graph(model, kv_cache, block_size, name, directory / f"{name}.pt2")
+        log.info("compiled the %s-batch forward in %.1f s", name, time.perf_counter() - start)
+
+
 class CompiledForward:
     """The forward of any batch through the compiled graph for its token count.
 
@@ -177,20 +193,22 @@ class CompiledForward:
         self.graphs = graphs
 
     @classmethod
-    def load_or_compile(cls, config: EngineConfig, model: nn.Module, kv_cache: torch.Tensor) -> CompiledForward:
+    def load_or_compile(cls, config: EngineConfig, model: nn.Module, kv_cache: torch.Tensor) -> CompiledForward | None:
         """Load the graphs cached for this configuration, compiling (and caching) them first if
-        there are none. Compiling takes about a minute per graph for the default model on a
-        2-core CPU; loading a fraction of a second."""
+        there are none: a few minutes for the default model on a 2-core CPU, then a fraction of a
+        second at every later start. None, with a warning, where inductor cannot compile here
+        (no C++ compiler, a platform it does not support): the engine then runs eagerly."""
         key = compile_key(config)
         directory = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:16]
         stamp = directory / STAMP
         if not (stamp.is_file() and stamp.read_text() == key):
-            directory.mkdir(parents=True, exist_ok=True)
-            for name in GRAPHS:
-                start = time.perf_counter()
-                log.info("compiling the %s-batch forward into %s", name, directory)
-                _compile_graph(model, kv_cache, config.kvcache_block_size, name, directory / f"{name}.pt2")
-                log.info("compiled the %s-batch forward in %.1f s", name, time.perf_counter() - start)
+            try:
+                _compile_graphs(model, kv_cache, config.kvcache_block_size, directory)
+            except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the eager forward
+                log.warning(
+                    "could not compile the forward (%s); running it eagerly (enforce_eager=True skips trying)", exc
+                )
+                return None
             partial = stamp.with_name(f"{STAMP}.{os.getpid()}")
             partial.write_text(key)
             os.replace(partial, stamp)
@@ -206,3 +224,28 @@ class CompiledForward:
         batch's K/V is written to ``kv_cache``."""
         graph = self.graphs["small" if input_ids.shape[0] <= SMALL_BATCH_TOKENS else "large"]
         return graph(input_ids, positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens_k, md.block_tables, kv_cache)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Compile a model's forward at the engine's defaults, or find it already cached."""
+    parser = argparse.ArgumentParser(
+        description="Compile a model's forward into the cache at the engine's defaults (a later start loads it)."
+    )
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2)")
+    parser.add_argument("--dtype", default="auto", help="as EngineConfig.dtype (default: %(default)s)")
+    args = parser.parse_args(argv)
+    from vllm_from_scratch.default_model import default_model_dir
+    from vllm_from_scratch.engine import LLMEngine
+
+    start = time.perf_counter()
+    # The graphs do not depend on the cache's size: a few blocks suffice to build them.
+    engine = LLMEngine(
+        args.model or default_model_dir(), device="cpu", dtype=args.dtype, num_kvcache_blocks=16, warm_up=False
+    )
+    if engine.executor.runner.compiled_forward is None:
+        raise SystemExit("the forward could not be compiled here; the engine will run it eagerly")
+    print(f"compiled forward ready in {cache_root()} ({time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

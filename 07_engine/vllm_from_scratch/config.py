@@ -160,9 +160,9 @@ class EngineConfig:
     typed ``int`` whose help says "None: ..." accepts None and holds the resolved number once
     the config is built, so the engine never handles a None there.
 
-    ``compile`` is this engine's counterpart of vLLM's ``compilation_config`` (``-O``): vLLM
-    compiles by default and ``enforce_eager`` turns both compilation and CUDA graphs off; here the
-    forward is eager unless ``compile`` is set, CUDA graphs are on unless ``enforce_eager`` is.
+    ``enforce_eager`` means what it means in vLLM: off (the default), the forward runs through
+    graphs made once at start-up — compiled by inductor on a CPU (:attr:`compiles`), captured as
+    CUDA graphs on a GPU; on, every forward runs the model's Python code op by op.
     """
 
     model_dir: str
@@ -174,11 +174,11 @@ class EngineConfig:
         choices=("auto", *DTYPES),
     )
     tensor_parallel_size: int = setting("ranks to split the model over (gloo on CPU, NCCL on GPU)", 1)
-    enforce_eager: bool = setting("never capture CUDA graphs", False)
-    compile: bool = setting(
-        "CPU only: run every forward through graphs that inductor compiled ahead of time (C++, "
-        "weights frozen; compilation.py). The first start compiles them (about a minute per graph) "
-        "into ~/.cache/vllm_from_scratch; later starts load them",
+    enforce_eager: bool = setting(
+        "run every forward eagerly, op by op. Off: a GPU captures CUDA graphs, a CPU (with "
+        "tensor_parallel_size 1) runs graphs that inductor compiled ahead of time (compilation.py): "
+        "the first start with a model, dtype and thread count compiles them (minutes on 2 cores) "
+        "into ~/.cache/vllm_from_scratch, later starts load them in seconds",
         False,
     )
     max_num_seqs: int = setting("most requests in one batch (chapter 04)", 256)
@@ -247,10 +247,6 @@ class EngineConfig:
             raise ParameterError("attention_backend", f"must be one of {BACKENDS}, got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ParameterError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.compile and (self.torch_device.type != "cpu" or self.tensor_parallel_size > 1):
-            raise ParameterError(
-                "compile", "needs device 'cpu' and tensor_parallel_size 1 (a GPU captures CUDA graphs instead)"
-            )
         if self.cpu_kvcache_space_gib <= 0:
             raise ParameterError("cpu_kvcache_space_gib", f"must be positive, got {self.cpu_kvcache_space_gib!r}")
         max_pos = getattr(self.hf_config, "max_position_embeddings", 4096)
@@ -288,6 +284,13 @@ class EngineConfig:
         except ImportError:
             return False
         return HAS_FLASH_ATTN
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the forward runs through inductor's compiled graphs: on a CPU unless
+        ``enforce_eager``. Tensor parallelism stays eager: the graphs are traced without the
+        all-reduces between the ranks' layers."""
+        return not self.enforce_eager and self.torch_device.type == "cpu" and self.tensor_parallel_size == 1
 
     @property
     def vocab_size(self) -> int:

@@ -121,9 +121,8 @@ class ModelRunner:
         self.graph_runner = (
             self.capture_cudagraph() if self.device.type == "cuda" and not config.enforce_eager else None
         )
-        # On a CPU, EngineConfig.compile: every forward through inductor's graphs (compilation.py).
         self.compiled_forward = (
-            CompiledForward.load_or_compile(config, self.model, self.kv_cache) if config.compile else None
+            CompiledForward.load_or_compile(config, self.model, self.kv_cache) if config.compiles else None
         )
 
     def capture_cudagraph(self) -> CUDAGraphRunner:
