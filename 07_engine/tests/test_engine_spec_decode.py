@@ -17,19 +17,17 @@ from vllm_from_scratch.model_runner import ModelRunner
 from vllm_from_scratch.sampler import SamplingTensors
 
 
+def small_runner(model_dir: str) -> ModelRunner:
+    config = EngineConfig(
+        model_dir, device="cpu", kvcache_block_size=4, num_kvcache_blocks=8, dtype="float32", enforce_eager=True
+    )
+    return ModelRunner(config)
+
+
 def test_verify_drafts_keeps_the_agreeing_prefix_then_one_token(tiny_llama_dir):
     """Greedy rows: a's first draft agrees with the target, its second does not; b has no drafts;
     c is a prompt chunk that samples nothing."""
-    runner = ModelRunner(
-        EngineConfig(
-            tiny_llama_dir,
-            device="cpu",
-            kvcache_block_size=4,
-            num_kvcache_blocks=8,
-            dtype="float32",
-            enforce_eager=True,
-        )
-    )
+    runner = small_runner(tiny_llama_dir)
     info = SchedulerInfo()
     info.add_row("a", [7, 11, 12], 5, [0, 1], samples=True, num_spec=2, is_decoding=True)
     info.add_row("b", [9], 3, [2], samples=True, is_decoding=True)
@@ -95,16 +93,7 @@ def test_sampled_spec_decoding_runs_and_frees_blocks(tiny_llama_dir):
 def test_a_seeded_requests_rejection_noise_is_its_own_whatever_the_batch(tiny_llama_dir):
     """Its uniforms are sized by its own drafts, not the batch's padded K, so its generator
     advances alike in any batch: the next step's noise matches too."""
-    runner = ModelRunner(
-        EngineConfig(
-            tiny_llama_dir,
-            device="cpu",
-            kvcache_block_size=4,
-            num_kvcache_blocks=8,
-            dtype="float32",
-            enforce_eager=True,
-        )
-    )
+    runner = small_runner(tiny_llama_dir)
     alone_gen, batched_gen = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     for _ in range(2):
         alone = runner.rejection_noise([2], 2, 64, [alone_gen])
