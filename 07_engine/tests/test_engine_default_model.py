@@ -8,17 +8,13 @@ import pytest
 from vllm_from_scratch import LLM, SamplingParams, default_model_dir
 from vllm_from_scratch.engine import IncrementalDetokenizer
 
+# A small float32 engine on the default model (the warm-up is test_engine_warm_up.py's subject).
+SMALL_ENGINE = dict(dtype="float32", num_kvcache_blocks=64, max_model_len=512, warm_up=False, enforce_eager=True)
+
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(
-        default_model_dir(),
-        dtype="float32",
-        num_kvcache_blocks=64,
-        max_model_len=512,
-        warm_up=False,
-        enforce_eager=True,
-    )  # seconds at start; test_engine_warm_up.py tests it
+    return LLM(default_model_dir(), **SMALL_ENGINE)
 
 
 def chat(llm: LLM, question: str) -> str:

@@ -17,6 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 import test_server_protocol
+from test_engine_default_model import SMALL_ENGINE
 from test_logprobs import hf_logprobs
 from test_server_protocol import MODEL, ScriptedEngine, assert_error, sse_events
 from vllm_from_scratch.api_server import build_app
@@ -327,14 +328,7 @@ ATOL = 1e-4  # float32: the engine's paged attention and transformers' sum in di
 def real_client():
     # float32: the comparison with transformers' float32 log-softmax is to float32 tolerance
     # (the default dtype is bfloat16 on a CPU that has it in hardware).
-    engine = LLMEngine(
-        default_model_dir(),
-        dtype="float32",
-        num_kvcache_blocks=64,
-        max_model_len=512,
-        warm_up=False,
-        enforce_eager=True,
-    )
+    engine = LLMEngine(default_model_dir(), **SMALL_ENGINE)
     with TestClient(build_app(engine, "default")) as c:
         yield c, engine.tokenizer
 
