@@ -10,8 +10,8 @@ backend    when ``"auto"`` picks it                        module
 flash      CUDA tensors, flash-attn installed, float16 /   :mod:`flash_attention` (flash-attn 2)
            bfloat16, ``block_size`` a multiple of 256
 triton     CUDA tensors otherwise                          :mod:`paged_attention_triton`
-cpp        CPU tensors, the C++ kernel builds, a head      :mod:`paged_attention_cpu` (decode rows;
-           size it was compiled for                        longer rows go to the torch varlen path)
+cpp        CPU tensors, the C++ kernels build, a head      :mod:`paged_attention_cpu`
+           size they were compiled for
 torch      CPU tensors otherwise                           :mod:`paged_attention`
 =========  =============================================  ==========================================
 
@@ -28,7 +28,12 @@ import torch
 
 from flash_attention import FLASH_BLOCK_MULTIPLE, HAS_FLASH_ATTN, flash_decode, flash_varlen
 from paged_attention import paged_attention_decode, paged_attention_varlen
-from paged_attention_cpu import cpu_kernel_available, paged_attention_decode_cpu, supports
+from paged_attention_cpu import (
+    cpu_kernel_available,
+    paged_attention_decode_cpu,
+    paged_attention_varlen_cpu,
+    supports,
+)
 from paged_attention_triton import HAS_TRITON, INTERPRETED, paged_attention_decode_triton, paged_attention_varlen_triton
 
 BACKENDS = ("auto", "flash", "triton", "cpp", "torch")
@@ -119,13 +124,6 @@ def paged_attention(
             max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k,
         )
-    return paged_attention_varlen(
-        q,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        seq_lens_k,
-        block_tables,
-        scale,
-        decode=paged_attention_decode_cpu if name == "cpp" else None,
-    )
+    if name == "cpp":
+        return paged_attention_varlen_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale)
+    return paged_attention_varlen(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale)

@@ -4,11 +4,11 @@
    slot holds large garbage), and their block tables are printed.
 2. Decode (one new token each) and prefill with cached context (several new tokens after earlier
    ones) are computed four ways: the torch paths, the Triton kernels (Triton's interpreter on a
-   CPU), the compiled C++ CPU kernel (decode rows; where it builds), and dense attention on the
+   CPU), the compiled C++ CPU kernels (where they build), and dense attention on the
    contiguous K/V; the largest differences are printed.
 3. Timing tables: the torch decode path (one gather + one batched attention call) against a naive
    loop that attends one sequence at a time and against the C++ kernel, and the torch varlen
-   path on prefill / chunked / mixed batches.
+   path against the C++ one on prefill / chunked / mixed batches.
 
 Run: ``python 02_page_attention/demo.py`` (a few seconds on a 2-core CPU).
 """
@@ -34,7 +34,11 @@ from attention_backends import select_backend  # noqa: E402
 from block_manager import cdiv  # noqa: E402
 from machine import add_quiet_arg, check_quiet, load_average, machine_line  # noqa: E402
 from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen  # noqa: E402
-from paged_attention_cpu import cpu_kernel_available, paged_attention_decode_cpu  # noqa: E402
+from paged_attention_cpu import (  # noqa: E402
+    cpu_kernel_available,
+    paged_attention_decode_cpu,
+    paged_attention_varlen_cpu,
+)
 from paged_attention_triton import paged_attention_decode_triton, paged_attention_varlen_triton  # noqa: E402
 from triton_setup import INTERPRETED, KERNEL_DEVICE  # noqa: E402
 
@@ -105,9 +109,10 @@ def show_correctness(args, g):
     }
     if cpu_kernel_available():
         decode["C++"] = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, scale)
+        varlen["C++"] = paged_attention_varlen_cpu(qv, k_cache, v_cache, cu, lens, bt, scale)
 
     triton_mode = "interpreter" if INTERPRETED else "GPU"
-    print(f"\nMax |paged - dense| (float32; Triton runs in its {triton_mode}; C++ is the compiled decode kernel):")
+    print(f"\nMax |paged - dense| (float32; Triton runs in its {triton_mode}; C++ is the compiled kernels):")
     print(f"  {'path':<34}" + "".join(f" {name:>10}" for name in decode))
     print(
         f"  {'decode (1 new token, 4 seqs)':<34}"
@@ -186,25 +191,38 @@ def show_varlen_timing(args, g):
         ("chunk after context", [(128, 512)]),
         ("chunk + 32 decodes", [(128, 512)] + [(1, args.context_len)] * 32),
         ("4 prompts", [(64, 64), (96, 96), (128, 128), (32, 32)]),
+        ("8 prompts of 256", [(256, 256)] * 8),
     ]
-    print(f"\nVarlen timing, torch, float32, same shape (median of {args.repeats}); (new, total) tokens per sequence:")
-    print(f"  {'batch':<22} {'sequences':>9} {'new tokens':>10} {'keys read':>10} {'time (ms)':>10} {'max |err|':>10}")
+    cpp = cpu_kernel_available()
+    print(f"\nVarlen timing, float32, same shape (median of {args.repeats}); (new, total) tokens per sequence:")
+    print(
+        f"  {'batch':<22} {'sequences':>9} {'new tokens':>10} {'keys read':>10} {'torch (ms)':>10}"
+        + (f" {'C++ kernel (ms)':>16} {'speed-up':>9}" if cpp else "")
+        + f" {'max |err|':>10}"
+    )
     for name, shapes in cases:
         q_lens, kv_lens = [s[0] for s in shapes], [s[1] for s in shapes]
         k_cache, v_cache, bt, ks, vs = build_paged_cache(kv_lens, hkv, d, bs, g)
         q = torch.randn(sum(q_lens), hq, d, generator=g)
         cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
         lens = torch.tensor(kv_lens, dtype=torch.int32)
-        run = functools.partial(paged_attention_varlen, q, k_cache, v_cache, cu, lens, bt, d**-0.5)
-        elapsed = time_it(run, args.repeats)
+        inputs = (q, k_cache, v_cache, cu, lens, bt, d**-0.5)
+        runs = [functools.partial(paged_attention_varlen, *inputs)]
+        if cpp:
+            runs.append(functools.partial(paged_attention_varlen_cpu, *inputs))
+        elapsed = [time_it(run, args.repeats) for run in runs]
         err = max(
             (run()[cu[b] : cu[b + 1]] - dense_attention_reference(q[cu[b] : cu[b + 1]], ks[b], vs[b], scale=d**-0.5))
             .abs()
             .max()
             .item()
+            for run in runs
             for b in range(len(shapes))
         )
-        print(f"  {name:<22} {len(shapes):>9} {sum(q_lens):>10} {sum(kv_lens):>10} {elapsed * 1e3:>10.3f} {err:>10.1e}")
+        row = f"  {name:<22} {len(shapes):>9} {sum(q_lens):>10} {sum(kv_lens):>10} {elapsed[0] * 1e3:>10.3f}"
+        if cpp:
+            row += f" {elapsed[1] * 1e3:>16.3f} {elapsed[0] / elapsed[1]:>8.1f}x"
+        print(row + f" {err:>10.1e}")
 
 
 def main():

@@ -183,7 +183,6 @@ def paged_attention_varlen(
     block_tables: torch.Tensor,
     scale: float,
     causal: bool = True,
-    decode=None,
 ) -> torch.Tensor:
     """Packed new tokens of ``B`` sequences attending to their cached context and to each other.
 
@@ -195,8 +194,6 @@ def paged_attention_varlen(
         block_tables: ``[B, max_blocks]`` int.
         scale: softmax scale.
         causal: mask keys after each query's absolute position.
-        decode: the decode function for the sequences with one new token (default
-            :func:`paged_attention_decode`; chapter 02's dispatcher passes the compiled CPU kernel).
 
     Returns:
         ``[T, Hq, D]`` in ``q``'s dtype.
@@ -223,9 +220,7 @@ def paged_attention_varlen(
     if single:
         rows = torch.tensor([cu[b] for b in single], device=q.device)
         idx = torch.tensor(single, device=block_tables.device)
-        out[rows] = (decode or paged_attention_decode)(
-            q[rows], k_cache, v_cache, block_tables[idx], seq_lens_k[idx], scale
-        )
+        out[rows] = paged_attention_decode(q[rows], k_cache, v_cache, block_tables[idx], seq_lens_k[idx], scale)
     num_q_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -237,23 +238,182 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
   });
 }
 
-template <typename T>
-void dispatch_head_dim(int64_t head_dim, const T* q, const T* k, const T* v, const int* bt, const int* lens, T* out,
-                       const Shape& s, float scale) {
+// Causal attention of packed new tokens over their paged context (whole prompts, prompt chunks,
+// speculative verification), in one pass over the keys with an online softmax. A work item is a
+// tile of up to kLanes queries of one sequence that share a KV head (the group's heads of
+// consecutive rows), one query per lane: each run of kLanes keys is widened to float32 once for
+// the whole tile, a key's scores for all of it are one register (D FMAs, no horizontal sums), and
+// the softmax's max, exp and mask are whole-register operations. SDPA per sequence gathers, pads
+// and masks; the decode kernel run row by row widens every key once per query.
+struct Tile {
+  int64_t seq, first_query, count, cost;  // queries first_query .. + count of the sequence, in (row, head) order
+};
+
+// e^x lane by lane, in a loop the compiler turns into one call of the vector math library.
+inline Vec exp_lanes(Vec x) {
+  auto lanes = std::bit_cast<std::array<float, kLanes>>(x);
+#pragma omp simd
+  for (int l = 0; l < kLanes; ++l) lanes[l] = std::exp(lanes[l]);
+  return std::bit_cast<Vec>(lanes);
+}
+
+inline Vec max_lanes(Vec a, Vec b) { return a > b ? a : b; }
+
+template <typename T, int D>
+void varlen(const T* q, const T* k_cache, const T* v_cache, const int* block_tables, const int* cu_seqlens_q,
+            const int* seq_lens_k, T* out, const Shape& s, float scale) {
+  constexpr int C = D / kLanes;
+  constexpr float kMasked = std::numeric_limits<float>::lowest();  // finite: -ffast-math assumes no infinities
+  const int64_t group = s.num_q_heads / s.num_kv_heads;
+  const int64_t token_stride = s.num_kv_heads * D;
+  const int64_t block_stride = s.block_size * token_stride;
+  std::vector<Tile> tiles;
+  for (int64_t seq = 0; seq < s.num_seqs; ++seq) {
+    const int64_t q_len = cu_seqlens_q[seq + 1] - cu_seqlens_q[seq];
+    const int64_t context = seq_lens_k[seq] - q_len;
+    for (int64_t first = 0; first < q_len * group; first += kLanes) {
+      const int64_t count = std::min<int64_t>(kLanes, q_len * group - first);
+      tiles.push_back({seq, first, count, count * (context + (first + count - 1) / group + 1)});
+    }
+  }
+  // Tiles late in a long prompt see many more keys than early ones; handing out the costliest
+  // first, to whichever thread is free, keeps the threads finishing together.
+  std::sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * s.num_kv_heads;
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    alignas(64) float queries[D][kLanes];  // element d of every query of the tile
+    alignas(64) float keys[kLanes][D] = {};
+    alignas(64) float weights[kLanes][kLanes];  // softmax weight of key j for lane i
+    Vec values[kLanes][C], acc[kLanes][C];
+    for (int64_t item; (item = next_item.fetch_add(1)) < num_items;) {
+      const Tile& tile = tiles[item / s.num_kv_heads];
+      const int64_t kv_head = item % s.num_kv_heads;
+      const int64_t q_len = cu_seqlens_q[tile.seq + 1] - cu_seqlens_q[tile.seq];
+      const int64_t context = seq_lens_k[tile.seq] - q_len;
+      const int* table = block_tables + tile.seq * s.max_blocks;
+      auto query_offset = [&](int64_t lane) {  // where lane's query (and its output) lies in q
+        const int64_t query = tile.first_query + lane;
+        const int64_t token = cu_seqlens_q[tile.seq] + query / group;
+        return (token * s.num_q_heads + kv_head * group + query % group) * D;
+      };
+      // Lane i sees the keys at positions <= last_key[i]; unused lanes see none and are not stored.
+      float last_key_of[kLanes];
+      for (int l = 0; l < kLanes; ++l) {
+        Vec row[C] = {};
+        if (l < tile.count) load_row<D>(q + query_offset(l), row);
+        const auto elements = std::bit_cast<std::array<float, D>>(row);  // load_row's order, as the keys'
+        for (int d = 0; d < D; ++d) queries[d][l] = elements[d] * scale;
+        last_key_of[l] = l < tile.count ? static_cast<float>(context + (tile.first_query + l) / group) : -1.f;
+        for (int c = 0; c < C; ++c) acc[l][c] = Vec{};
+      }
+      const Vec last_key = std::bit_cast<Vec>(last_key_of);
+      Vec max_score = Vec{} + kMasked, total = Vec{};
+      const int64_t keys_seen = context + (tile.first_query + tile.count - 1) / group + 1;  // by the last lane
+      for (int64_t start = 0; start < keys_seen; start += kLanes) {
+        const int64_t n = std::min<int64_t>(kLanes, keys_seen - start);
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t pos = start + j;
+          const int64_t offset =
+              table[pos / s.block_size] * block_stride + pos % s.block_size * token_stride + kv_head * D;
+          load_row<D>(k_cache + offset, *reinterpret_cast<Vec(*)[C]>(keys[j]));
+          load_row<D>(v_cache + offset, values[j]);
+        }
+        // Four keys at a time, two chains each: a query register loaded once serves four FMAs,
+        // and eight independent sums keep the FMA units busy. Rows past n are scored and masked.
+        Vec scores[kLanes];
+        for (int j = 0; j < kLanes; j += 4) {
+          Vec even[4] = {}, odd[4] = {};
+#pragma GCC unroll 64
+          for (int d = 0; d < D; d += 2) {
+            const Vec q_even = *reinterpret_cast<const Vec*>(queries[d]);
+            const Vec q_odd = *reinterpret_cast<const Vec*>(queries[d + 1]);
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; ++k) {
+              even[k] += keys[j + k][d] * q_even;
+              odd[k] += keys[j + k][d + 1] * q_odd;
+            }
+          }
+          for (int k = 0; k < 4; ++k) scores[j + k] = even[k] + odd[k];
+        }
+        Vec new_max = max_score;
+        for (int64_t j = 0; j < n; ++j) {
+          scores[j] = static_cast<float>(start + j) <= last_key ? scores[j] : Vec{} + kMasked;
+          new_max = max_lanes(new_max, scores[j]);
+        }
+        const Vec rescale = exp_lanes(max_score - new_max);
+        max_score = new_max;
+        total *= rescale;
+        for (int64_t j = 0; j < n; ++j) {
+          const Vec p = exp_lanes(scores[j] - max_score);
+          total += p;
+          std::memcpy(weights[j], &p, sizeof(p));
+        }
+        // Two lanes at a time: twice the independent sums of one (an unused lane's are discarded).
+        const auto rescale_of = std::bit_cast<std::array<float, kLanes>>(rescale);
+        for (int64_t l = 0; l < tile.count; l += 2) {
+          Vec a[C], b[C];
+#pragma GCC unroll 16
+          for (int c = 0; c < C; ++c) {
+            a[c] = acc[l][c] * rescale_of[l];
+            b[c] = acc[l + 1][c] * rescale_of[l + 1];
+          }
+          for (int64_t j = 0; j < n; ++j) {
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) {
+              a[c] += weights[j][l] * values[j][c];
+              b[c] += weights[j][l + 1] * values[j][c];
+            }
+          }
+#pragma GCC unroll 16
+          for (int c = 0; c < C; ++c) {
+            acc[l][c] = a[c];
+            acc[l + 1][c] = b[c];
+          }
+        }
+      }
+      const auto total_of = std::bit_cast<std::array<float, kLanes>>(total);
+      for (int64_t l = 0; l < tile.count; ++l) store_row<D>(acc[l], 1.f / total_of[l], out + query_offset(l));
+    }
+  });
+}
+
+// Calls kernel<D>() for the head size D the tensors have, one of those compiled.
+template <typename Kernel>
+void dispatch_head_dim(int64_t head_dim, Kernel&& kernel) {
   switch (head_dim) {
-    case 16: return decode<T, 16>(q, k, v, bt, lens, out, s, scale);
-    case 32: return decode<T, 32>(q, k, v, bt, lens, out, s, scale);
-    case 64: return decode<T, 64>(q, k, v, bt, lens, out, s, scale);
-    case 128: return decode<T, 128>(q, k, v, bt, lens, out, s, scale);
-    case 256: return decode<T, 256>(q, k, v, bt, lens, out, s, scale);
+    case 16: return kernel.template operator()<16>();
+    case 32: return kernel.template operator()<32>();
+    case 64: return kernel.template operator()<64>();
+    case 128: return kernel.template operator()<128>();
+    case 256: return kernel.template operator()<256>();
     default: TORCH_CHECK_VALUE(false, "head_dim must be one of 16, 32, 64, 128, 256, got ", head_dim);
   }
+}
+
+// What could make a kernel read outside the cache: a length past the table's room, a block id
+// outside the cache. Returns the longest length.
+int64_t check_lengths(const int* table_data, const int* len_data, const char* lens_name, const Shape& s,
+                      int64_t num_blocks) {
+  int64_t max_len = 0;
+  for (int64_t seq = 0; seq < s.num_seqs; ++seq) {
+    const int64_t len = len_data[seq];
+    TORCH_CHECK_VALUE(len >= 1 && len <= s.max_blocks * s.block_size, lens_name, "[", seq, "] = ", len,
+                      " must be in [1, ", s.max_blocks * s.block_size, "] (the blocks block_tables has room for)");
+    for (int64_t b = 0; b * s.block_size < len; ++b) {
+      const int block = table_data[seq * s.max_blocks + b];
+      TORCH_CHECK_VALUE(block >= 0 && block < num_blocks, "block_tables[", seq, ", ", b, "] = ", block,
+                        " is not a block of the cache (", num_blocks, " blocks)");
+    }
+    max_len = std::max(max_len, len);
+  }
+  return max_len;
 }
 
 }  // namespace
 
 // Shapes and dtypes are checked by the Python wrapper; what could make this code read outside
-// the cache (lengths, block ids) is checked here, where it is cheap.
+// the cache (lengths, block ids, query offsets) is checked here, where it is cheap.
 torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   auto tables = block_tables.to(torch::kInt32).contiguous();
@@ -261,25 +421,47 @@ torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, tor
   q = q.contiguous();
   TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache and v_cache must be contiguous");
   Shape s{q.size(0), q.size(1), k_cache.size(2), k_cache.size(1), tables.size(1), 0};
-  const int64_t num_blocks = k_cache.size(0);
-  const int* table_data = tables.data_ptr<int>();
-  const int* len_data = lens.data_ptr<int>();
-  for (int64_t seq = 0; seq < s.num_seqs; ++seq) {
-    const int64_t len = len_data[seq];
-    TORCH_CHECK_VALUE(len >= 1 && len <= s.max_blocks * s.block_size, "context_lens[", seq, "] = ", len,
-                      " must be in [1, ", s.max_blocks * s.block_size, "] (the blocks block_tables has room for)");
-    for (int64_t b = 0; b * s.block_size < len; ++b) {
-      const int block = table_data[seq * s.max_blocks + b];
-      TORCH_CHECK_VALUE(block >= 0 && block < num_blocks, "block_tables[", seq, ", ", b, "] = ", block,
-                        " is not a block of the cache (", num_blocks, " blocks)");
-    }
-    s.max_len = std::max(s.max_len, len);
-  }
+  s.max_len = check_lengths(tables.data_ptr<int>(), lens.data_ptr<int>(), "context_lens", s, k_cache.size(0));
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_decode", [&] {
-    dispatch_head_dim<scalar_t>(q.size(2), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                                v_cache.data_ptr<scalar_t>(), table_data, len_data, out.data_ptr<scalar_t>(), s,
-                                static_cast<float>(scale));
+    dispatch_head_dim(q.size(2), [&]<int D>() {
+      decode<scalar_t, D>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                          tables.data_ptr<int>(), lens.data_ptr<int>(), out.data_ptr<scalar_t>(), s,
+                          static_cast<float>(scale));
+    });
+  });
+  return out;
+}
+
+torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor cu_seqlens_q, torch::Tensor seq_lens_k, torch::Tensor block_tables,
+                                     double scale) {
+  auto tables = block_tables.to(torch::kInt32).contiguous();
+  auto lens = seq_lens_k.to(torch::kInt32).contiguous();
+  auto cu = cu_seqlens_q.to(torch::kInt32).contiguous();
+  q = q.contiguous();
+  TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache and v_cache must be contiguous");
+  Shape s{tables.size(0), q.size(1), k_cache.size(2), k_cache.size(1), tables.size(1), 0};
+  TORCH_CHECK_VALUE(cu.dim() == 1 && cu.size(0) == s.num_seqs + 1, "cu_seqlens_q must have ", s.num_seqs + 1,
+                    " entries (one more than block_tables has rows)");
+  const int* cu_data = cu.data_ptr<int>();
+  const int* len_data = lens.data_ptr<int>();
+  TORCH_CHECK_VALUE(cu_data[0] == 0 && cu_data[s.num_seqs] == q.size(0), "cu_seqlens_q must rise from 0 to the ",
+                    q.size(0), " query tokens");
+  for (int64_t seq = 0; seq < s.num_seqs; ++seq) {
+    const int64_t q_len = cu_data[seq + 1] - cu_data[seq];
+    TORCH_CHECK_VALUE(q_len >= 0, "cu_seqlens_q must not fall (entry ", seq + 1, ")");
+    TORCH_CHECK_VALUE(len_data[seq] >= q_len, "seq_lens_k[", seq, "] = ", len_data[seq],
+                      " must be >= the sequence's new tokens (", q_len, ")");
+  }
+  s.max_len = check_lengths(tables.data_ptr<int>(), len_data, "seq_lens_k", s, k_cache.size(0));
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_varlen", [&] {
+    dispatch_head_dim(q.size(2), [&]<int D>() {
+      varlen<scalar_t, D>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                          tables.data_ptr<int>(), cu_data, len_data, out.data_ptr<scalar_t>(), s,
+                          static_cast<float>(scale));
+    });
   });
   return out;
 }
@@ -287,4 +469,6 @@ torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, tor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode,
         "Paged decode attention on the CPU: q [B, Hq, D] over k/v_cache [blocks, block_size, Hkv, D]");
+  m.def("paged_attention_varlen", &paged_attention_varlen,
+        "Causal paged attention of packed new tokens on the CPU: q [T, Hq, D], cu_seqlens_q [B+1]");
 }

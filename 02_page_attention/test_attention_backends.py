@@ -6,7 +6,7 @@ import torch
 from attention_backends import paged_attention, select_backend
 from flash_attention import HAS_FLASH_ATTN
 from paged_attention import paged_attention_decode, paged_attention_varlen
-from paged_attention_cpu import cpu_kernel_available, paged_attention_decode_cpu
+from paged_attention_cpu import cpu_kernel_available, paged_attention_decode_cpu, paged_attention_varlen_cpu
 from test_paged_attention import build_paged
 from triton_setup import KERNEL_DEVICE
 
@@ -24,17 +24,17 @@ def test_auto_on_cpu_picks_the_cpp_kernel_where_it_builds_and_equals_its_parts()
     expected = "cpp" if cpu_kernel_available() else "torch"
     assert select_backend(q, kc) == expected
     assert select_backend(q.double(), kc.double()) == "torch"  # a dtype the kernel was not compiled for
-    decode = paged_attention_decode_cpu if expected == "cpp" else None
+    cpp = expected == "cpp"
     torch.testing.assert_close(
         paged_attention(q, kc, vc, cu, lens, bt, 0.25, max_seqlen_q=5),
-        paged_attention_varlen(q, kc, vc, cu, lens, bt, 0.25, decode=decode),
+        (paged_attention_varlen_cpu if cpp else paged_attention_varlen)(q, kc, vc, cu, lens, bt, 0.25),
         rtol=0,
         atol=0,
     )
     q, kc, vc, cu, lens, bt = _batch([1, 1, 1], [9, 6, 3])
     torch.testing.assert_close(
         paged_attention(q, kc, vc, cu, lens, bt, 0.25, max_seqlen_q=1),
-        (decode or paged_attention_decode)(q, kc, vc, bt, lens, 0.25),
+        (paged_attention_decode_cpu if cpp else paged_attention_decode)(q, kc, vc, bt, lens, 0.25),
         rtol=0,
         atol=0,
     )

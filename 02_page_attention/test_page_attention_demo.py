@@ -29,14 +29,14 @@ def test_demo_runs_and_every_path_matches_dense():
     }
     for name in ("decode", "prefill"):
         errors = [float(x) for x in re.findall(r"\d\.\d\de[-+]\d\d", rows[name])]
-        expected = 3 if name == "decode" and cpu_kernel_available() else 2
+        expected = 3 if cpu_kernel_available() else 2
         assert len(errors) == expected and max(errors) < 1e-4, rows[name]
     assert re.search(r"runs: (torch|cpp|triton|flash)", out.stdout)
     decode_part, varlen_part = out.stdout.split("max |diff|")[1].split("Varlen timing")
     timing = [line.split() for line in decode_part.splitlines()[1:] if line.strip()]
     assert [int(r[0]) for r in timing] == [1, 4] and all(float(r[-1]) < 1e-4 for r in timing)
     varlen = [line.split() for line in varlen_part.splitlines()[2:] if line.strip()]
-    assert len(varlen) == 4 and all(float(r[-1]) < 1e-4 for r in varlen), varlen_part
+    assert len(varlen) == 5 and all(float(r[-1]) < 1e-4 for r in varlen), varlen_part
 
 
 def test_demo_help():

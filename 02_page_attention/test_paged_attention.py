@@ -65,31 +65,44 @@ def test_decode_matches_dense(dtype, num_q_heads, num_kv_heads):
     assert_each_sequence_matches_dense(out, q, ks, vs, 32**-0.5, TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_varlen_with_cached_context_matches_dense(dtype):
-    # (new tokens, total tokens): a fresh prompt, a chunk after cached context, a decode row,
-    # a prompt that ends exactly on a block boundary, and a one-token prompt.
-    shapes = [(13, 13), (5, 21), (1, 9), (16, 32), (1, 1)]
-    hq, hkv, d, bs = 8, 2, 16, 4
+def varlen_batch(shapes, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed):
+    """Packed queries for ``shapes`` ((new tokens, total tokens) per sequence) over build_paged's
+    cache. Returns ``q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, ks, vs``."""
     kv_lens = [kv for _, kv in shapes]
-    k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, hkv, d, bs, dtype, seed=3)
+    k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, num_kv_heads, head_dim, block_size, dtype, seed=seed)
     q_lens = [ql for ql, _ in shapes]
-    q = torch.randn(sum(q_lens), hq, d, generator=torch.Generator().manual_seed(4)).to(dtype)
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    out = paged_attention_varlen(q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), bt, d**-0.5)
-    for b in range(len(shapes)):
-        ref = dense_attention_reference(q[cu[b] : cu[b + 1]], ks[b], vs[b], causal=True, scale=d**-0.5)
-        q_len, kv_len = shapes[b]
+    return q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), bt, ks, vs
+
+
+def assert_varlen_matches_dense(out, q, cu, ks, vs, scale, tol):
+    """Sequence ``b``'s rows of a varlen output equal causal dense attention over its own K/V."""
+    for b in range(len(ks)):
+        ref = dense_attention_reference(q[cu[b] : cu[b + 1]], ks[b], vs[b], causal=True, scale=scale)
+        q_len, kv_len = int(cu[b + 1] - cu[b]), len(ks[b])
         torch.testing.assert_close(
             out[cu[b] : cu[b + 1]].float(),
             ref.float(),
-            **TOL[dtype],
+            **tol,
             msg=lambda m, b=b, q_len=q_len, kv_len=kv_len: (
                 f"sequence {b}: {q_len} new tokens after {kv_len - q_len} cached ones are query rows "
                 f"cu_seqlens_q[{b}]:cu_seqlens_q[{b + 1}] at positions {kv_len - q_len}..{kv_len - 1}, so the "
                 f"causal mask lets query i see keys 0..{kv_len - q_len} + i.\n{m}"
             ),
         )
+
+
+# (new tokens, total tokens): a fresh prompt, a chunk after cached context, a decode row, a prompt
+# that ends exactly on a block boundary, and a one-token prompt.
+VARLEN_SHAPES = [(13, 13), (5, 21), (1, 9), (16, 32), (1, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_with_cached_context_matches_dense(dtype):
+    q, k_cache, v_cache, cu, lens, bt, ks, vs = varlen_batch(VARLEN_SHAPES, 8, 2, 16, 4, dtype, seed=3)
+    out = paged_attention_varlen(q, k_cache, v_cache, cu, lens, bt, 16**-0.5)
+    assert_varlen_matches_dense(out, q, cu, ks, vs, 16**-0.5, TOL[dtype])
 
 
 def test_gather_kv_reads_blocks_in_table_order():

@@ -26,8 +26,17 @@ from paged_attention_cpu import (
     is_cached,
     kernel_path,
     paged_attention_decode_cpu,
+    paged_attention_varlen_cpu,
 )
-from test_paged_attention import TOL, assert_each_sequence_matches_dense, build_paged, decode_batch
+from test_paged_attention import (
+    TOL,
+    VARLEN_SHAPES,
+    assert_each_sequence_matches_dense,
+    assert_varlen_matches_dense,
+    build_paged,
+    decode_batch,
+    varlen_batch,
+)
 
 needs_kernel = pytest.mark.skipif(
     not cpu_kernel_available(),
@@ -61,7 +70,55 @@ def test_every_compiled_head_size_and_a_block_size_of_16(head_dim):
 
 
 @needs_kernel
-def test_strided_q_from_a_fused_qkv_and_varlen_decode_rows_use_it():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1), (24, 1)])
+def test_varlen_kernel_matches_dense_and_torch(dtype, num_q_heads, num_kv_heads):
+    # The chapter's shapes plus a prompt of many query tiles after a cached context; 24 query heads
+    # per KV head are more than a tile's lanes, so one row's heads span two tiles.
+    shapes = [*VARLEN_SHAPES, (70, 107)]
+    q, k_cache, v_cache, cu, lens, bt, ks, vs = varlen_batch(shapes, num_q_heads, num_kv_heads, 32, 8, dtype, seed=17)
+    out = paged_attention_varlen_cpu(q, k_cache, v_cache, cu, lens, bt, 32**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_varlen_matches_dense(out, q, cu, ks, vs, 32**-0.5, TOL_CPU[dtype])
+    if dtype != torch.float16:
+        torch.testing.assert_close(
+            out.float(), paged_attention_varlen(q, k_cache, v_cache, cu, lens, bt, 32**-0.5).float(), **TOL[dtype]
+        )
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_varlen_kernel_every_compiled_head_size(head_dim):
+    q, k_cache, v_cache, cu, lens, bt, ks, vs = varlen_batch(
+        [(20, 20), (3, 40), (1, 17)], 6, 2, head_dim, 16, torch.bfloat16, seed=head_dim
+    )
+    out = paged_attention_varlen_cpu(q, k_cache, v_cache, cu, lens, bt, head_dim**-0.5)
+    assert_varlen_matches_dense(out, q, cu, ks, vs, head_dim**-0.5, TOL[torch.bfloat16])
+
+
+@needs_kernel
+def test_varlen_kernel_rejects_what_would_read_outside_the_cache():
+    q, k_cache, v_cache, cu, lens, bt, _, _ = varlen_batch([(3, 5), (2, 3)], 4, 2, 16, 4, torch.float32, seed=3)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        paged_attention_varlen_cpu(q, k_cache, v_cache, torch.tensor([0, 3, 4]), lens, bt, 1.0)  # ends at 4, not 5
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        paged_attention_varlen_cpu(q, k_cache, v_cache, torch.tensor([0, 5]), lens, bt, 1.0)  # 1 sequence, 2 rows
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        paged_attention_varlen_cpu(q, k_cache, v_cache, torch.tensor([0, 4, 3, 5]), lens, bt, 1.0)
+    with pytest.raises(ValueError, match="seq_lens_k"):
+        paged_attention_varlen_cpu(q, k_cache, v_cache, cu, torch.tensor([2, 3]), bt, 1.0)  # 3 new tokens, 2 keys
+    with pytest.raises(ValueError, match="seq_lens_k"):
+        paged_attention_varlen_cpu(q, k_cache, v_cache, cu, torch.tensor([5, 64]), bt, 1.0)
+    bad = bt.clone()
+    bad[0, 1] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_attention_varlen_cpu(q, k_cache, v_cache, cu, lens, bad, 1.0)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        paged_attention_varlen_cpu(q, k_cache, v_cache, cu.float(), lens, bt, 1.0)
+
+
+@needs_kernel
+def test_strided_q_from_a_fused_qkv_in_both_kernels():
     hq, hkv, d, bs = 8, 2, 16, 4
     kv_lens = [5, 9, 1]
     k_cache, v_cache, bt, ks, vs = build_paged(kv_lens, hkv, d, bs, torch.float32, seed=21)
@@ -71,8 +128,8 @@ def test_strided_q_from_a_fused_qkv_and_varlen_decode_rows_use_it():
     out = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, 0.25)
     torch.testing.assert_close(out, paged_attention_decode(q, k_cache, v_cache, bt, lens, 0.25), **TOL[torch.float32])
     cu = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
-    varlen = paged_attention_varlen(q, k_cache, v_cache, cu, lens, bt, 0.25, decode=paged_attention_decode_cpu)
-    assert torch.equal(varlen, out)
+    varlen = paged_attention_varlen_cpu(q, k_cache, v_cache, cu, lens, bt, 0.25)
+    torch.testing.assert_close(varlen, out, **TOL[torch.float32])
 
 
 @needs_kernel

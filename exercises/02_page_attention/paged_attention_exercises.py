@@ -75,7 +75,6 @@ def paged_attention_varlen(
     block_tables: torch.Tensor,
     scale: float,
     causal: bool = True,
-    decode=None,
 ) -> torch.Tensor:
     """Packed new tokens of ``B`` sequences attending to their cached context and to each other.
 
@@ -87,8 +86,6 @@ def paged_attention_varlen(
         block_tables: ``[B, max_blocks]`` int.
         scale: softmax scale.
         causal: mask keys after each query's absolute position.
-        decode: the decode function for the sequences with one new token (default
-            :func:`paged_attention_decode`; chapter 02's dispatcher passes the compiled CPU kernel).
 
     Returns:
         ``[T, Hq, D]`` in ``q``'s dtype.

@@ -13,7 +13,6 @@ def paged_attention_varlen(
     block_tables: torch.Tensor,
     scale: float,
     causal: bool = True,
-    decode=None,
 ) -> torch.Tensor:
     """Takes sequence b's queries as rows cu_seqlens_q[b]:cu_seqlens_q[b+1] + 1, one row into the next sequence."""
     if q.dim() != 3:
@@ -38,9 +37,7 @@ def paged_attention_varlen(
     if single:
         rows = torch.tensor([cu[b] for b in single], device=q.device)
         idx = torch.tensor(single, device=block_tables.device)
-        out[rows] = (decode or paged_attention_decode)(
-            q[rows], k_cache, v_cache, block_tables[idx], seq_lens_k[idx], scale
-        )
+        out[rows] = paged_attention_decode(q[rows], k_cache, v_cache, block_tables[idx], seq_lens_k[idx], scale)
     num_q_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
