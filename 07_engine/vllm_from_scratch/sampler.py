@@ -299,9 +299,9 @@ class Sampler:
 
         Speculative decoding's rejection sampler needs these probabilities, not just a sample.
         """
-        logits = logits.float()
         greedy = temperatures < 1e-5
-        scaled = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures).unsqueeze(1)
+        # Dividing by float32 temperatures promotes 16-bit logits: one pass, not a copy and a pass.
+        scaled = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures).unsqueeze(1).float()
         if top_ks is not None or top_ps is not None:
             scaled = apply_top_k_top_p(scaled, top_ks, top_ps)
         probs = scaled.softmax(dim=-1)
@@ -329,4 +329,6 @@ class Sampler:
             return logits.argmax(dim=-1)
         probs = self.compute_probs(logits, temperatures, top_ks, top_ps)
         sampled = self.sample_from_probs(probs, generators)
+        if not bool(greedy.any()):
+            return sampled
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
