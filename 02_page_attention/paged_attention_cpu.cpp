@@ -466,6 +466,52 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+// One layer's attention step as a compiled forward calls it (chapter 07's unified_attention on a
+// CPU): write the batch's new K/V ([T, Hkv, D]) to their slots of kv_cache[0 / 1, layer] (chapter
+// 01's store_kvcache; slot -1 stores nothing), then attend with the decode kernel when every
+// sequence brings one token and the varlen kernel otherwise. Registered as a torch operator, so
+// the compiled graph calls it through the dispatcher with no Python between the layers.
+torch::Tensor store_and_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache,
+                               int64_t layer, torch::Tensor slot_mapping, torch::Tensor cu_seqlens_q,
+                               torch::Tensor seq_lens_k, torch::Tensor block_tables, double scale) {
+  TORCH_CHECK_VALUE(kv_cache.dim() == 6 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+                    "kv_cache must be a contiguous [2, layers, blocks, block_size, kv_heads, head_dim] tensor");
+  TORCH_CHECK_VALUE(layer >= 0 && layer < kv_cache.size(1), "layer must be in [0, ", kv_cache.size(1), ")");
+  auto k_cache = kv_cache[0][layer], v_cache = kv_cache[1][layer];
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row_bytes = k_cache.stride(1) * k_cache.element_size();
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes() && k.dim() == 3 && k.size(1) == k_cache.size(2) &&
+                        k.size(2) == k_cache.size(3) && k.scalar_type() == kv_cache.scalar_type() &&
+                        v.scalar_type() == kv_cache.scalar_type(),
+                    "k and v must be [tokens, kv_heads, head_dim] in kv_cache's dtype and head layout");
+  k = k.stride(2) == 1 && k.stride(1) == k.size(2) ? k : k.contiguous();  // rows may be strided (a fused QKV)
+  v = v.stride(2) == 1 && v.stride(1) == v.size(2) ? v : v.contiguous();
+  auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  TORCH_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == k.size(0), "slot_mapping must have one slot per token");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  auto* k_dst = static_cast<char*>(k_cache.data_ptr());
+  auto* v_dst = static_cast<char*>(v_cache.data_ptr());
+  const auto* k_src = static_cast<const char*>(k.data_ptr());
+  const auto* v_src = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < k.size(0); ++t) {
+    if (slot[t] < 0) continue;
+    TORCH_CHECK_VALUE(slot[t] < num_slots, "slot_mapping holds slot ", slot[t], " but the cache has ", num_slots,
+                      " slots");
+    std::memcpy(k_dst + slot[t] * row_bytes, k_src + t * k.stride(0) * k.element_size(), row_bytes);
+    std::memcpy(v_dst + slot[t] * row_bytes, v_src + t * v.stride(0) * v.element_size(), row_bytes);
+  }
+  if (q.size(0) == block_tables.size(0)) return paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens_k, scale);
+  return paged_attention_varlen(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale);
+}
+
+TORCH_LIBRARY(vllm_fs_cpu, m) {
+  m.def(
+      "store_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, int layer, Tensor slot_mapping, "
+      "Tensor cu_seqlens_q, Tensor seq_lens_k, Tensor block_tables, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vllm_fs_cpu, CPU, m) { m.impl("store_and_attend", &store_and_attend); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode,
         "Paged decode attention on the CPU: q [B, Hq, D] over k/v_cache [blocks, block_size, Hkv, D]");

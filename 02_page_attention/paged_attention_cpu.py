@@ -199,6 +199,9 @@ def _import_extension(path: Path):
 def load_cpu_kernel():
     """Return the extension module: loaded from the cache, compiled first if no build matches.
 
+    Loading it also registers the torch operator ``torch.ops.vllm_fs_cpu.store_and_attend`` (the
+    engine's compiled forward calls it), with a fake implementation for tracing.
+
     Raises whatever the build raises (no compiler, no Python headers); see
     :func:`cpu_kernel_available` for the forgiving version.
     """
@@ -207,8 +210,13 @@ def load_cpu_kernel():
         build_cpu_kernel(key)
     path = kernel_path(key)
     module = _import_extension(path)
+    torch.library.register_fake("vllm_fs_cpu::store_and_attend")(_store_and_attend_fake)
     logger.info("loaded cached kernel %s", path)
     return module
+
+
+def _store_and_attend_fake(q: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 @functools.cache

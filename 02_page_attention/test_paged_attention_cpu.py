@@ -28,6 +28,7 @@ from paged_attention_cpu import (
     paged_attention_decode_cpu,
     paged_attention_varlen_cpu,
 )
+from store_kvcache import store_kvcache
 from test_paged_attention import (
     TOL,
     VARLEN_SHAPES,
@@ -115,6 +116,32 @@ def test_varlen_kernel_rejects_what_would_read_outside_the_cache():
         paged_attention_varlen_cpu(q, k_cache, v_cache, cu, lens, bad, 1.0)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         paged_attention_varlen_cpu(q, k_cache, v_cache, cu.float(), lens, bt, 1.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shapes", [[(1, 5), (1, 9), (1, 1)], [(4, 4), (1, 9), (3, 12)]], ids=["decode", "varlen"])
+def test_the_store_and_attend_operator_stores_then_attends(shapes):
+    """The operator a compiled forward calls: chapter 01's store, then the kernel the shape picks."""
+    hq, hkv, d, bs, layers = 4, 2, 16, 4, 3
+    q, k_cache, v_cache, cu, lens, bt, _, _ = varlen_batch(shapes, hq, hkv, d, bs, torch.float32, seed=7)
+    kv_cache = torch.randn(2, layers, *k_cache.shape)
+    kv_cache[0, 1], kv_cache[1, 1] = k_cache, v_cache
+    tokens = q.shape[0]
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d)  # k and v as strided slices, as the engine passes them
+    k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
+    slots = torch.tensor([int(bt[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens.tolist())])
+    slots = torch.cat([slots, torch.full((tokens - len(slots),), -1)])  # -1: store nothing
+    expected_cache = kv_cache.clone()
+    store_kvcache(k, v, expected_cache[0, 1], expected_cache[1, 1], slots)
+    expected = paged_attention_varlen(q, expected_cache[0, 1], expected_cache[1, 1], cu, lens, bt, 0.25)
+    out = torch.ops.vllm_fs_cpu.store_and_attend(q, k, v, kv_cache, 1, slots, cu, lens, bt, 0.25)
+    assert torch.equal(kv_cache, expected_cache)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="slot_mapping"):
+        torch.ops.vllm_fs_cpu.store_and_attend(q, k, v, kv_cache, 1, slots + 10**6, cu, lens, bt, 0.25)
+    with pytest.raises(ValueError, match="layer"):
+        torch.ops.vllm_fs_cpu.store_and_attend(q, k, v, kv_cache, layers, slots, cu, lens, bt, 0.25)
 
 
 @needs_kernel

@@ -47,7 +47,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from chunked_prefill import SchedulerInfo, build_batch_inputs
-from paged_attention_cpu import _cpu_fingerprint
+from paged_attention_cpu import _cpu_fingerprint, cpu_kernel_available
 from vllm_from_scratch.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -83,8 +83,10 @@ def cache_root() -> Path:
 def compile_key(config: EngineConfig) -> str:
     """Everything a compiled forward depends on, one ``name value`` line each: the traced code,
     the checkpoint (its config and the size and time of each weight file: the weights are frozen
-    into the package), the KV layout, the dtype, the threads (the C++ loops are split for them),
-    torch, Python and the CPU. A package is loaded only when its key equals this one."""
+    into the package), the KV layout, the dtype, whether chapter 02's C++ kernels load (the graphs
+    then call their operator; asking loads them, which registers it before any graph is loaded),
+    the threads (the C++ loops are split for them), torch, Python and the CPU. A package is loaded
+    only when its key equals this one."""
     model_dir = Path(config.model_dir).resolve()
     weights = sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin"))
     source = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()
@@ -95,7 +97,8 @@ def compile_key(config: EngineConfig) -> str:
     return (
         f"source sha256:{source}\n"
         f"model {model_dir} sha256:{checkpoint.hexdigest()}\n"
-        f"dtype {config.torch_dtype} block_size {config.kvcache_block_size} attention {config.attention_backend}\n"
+        f"dtype {config.torch_dtype} block_size {config.kvcache_block_size} attention {config.attention_backend}"
+        f" cpp_kernels {cpu_kernel_available()}\n"
         f"threads {torch.get_num_threads()}\n"
         f"torch {torch.__version__}\n"
         f"python {sys.implementation.cache_tag} {platform.python_version()}\n"
