@@ -244,6 +244,25 @@ def supports(q: torch.Tensor) -> bool:
     )
 
 
+def _check_kernel_args(
+    q: torch.Tensor,
+    rows_name: str,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+    lens_name: str,
+) -> None:
+    """What the kernels need from the Python side: q they were compiled for, then the torch
+    paths' shape and dtype checks (values are checked in the C++)."""
+    if not supports(q):
+        raise ValueError(
+            f"q must be a [{rows_name}, heads, head_dim] CPU float tensor with head_dim in {HEAD_DIMS}, "
+            f"got {q.dtype} of shape {tuple(q.shape)} on {q.device}"
+        )
+    _check_paged_args(q, k_cache, v_cache, block_tables, lens, lens_name)
+
+
 def paged_attention_decode_cpu(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -264,12 +283,7 @@ def paged_attention_decode_cpu(
     Returns:
         ``[B, Hq, D]`` in ``q``'s dtype.
     """
-    if not supports(q):
-        raise ValueError(
-            f"q must be a [batch, heads, head_dim] CPU float tensor with head_dim in {HEAD_DIMS}, "
-            f"got {q.dtype} of shape {tuple(q.shape)} on {q.device}"
-        )
-    _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, "context_lens")
+    _check_kernel_args(q, "batch", k_cache, v_cache, block_tables, context_lens, "context_lens")
     if context_lens.shape[0] != q.shape[0]:
         raise ValueError(f"context_lens must have one entry per query ({q.shape[0]}), got {context_lens.shape[0]}")
     if q.shape[0] == 0:
@@ -299,12 +313,7 @@ def paged_attention_varlen_cpu(
     Returns:
         ``[T, Hq, D]`` in ``q``'s dtype.
     """
-    if not supports(q):
-        raise ValueError(
-            f"q must be a [tokens, heads, head_dim] CPU float tensor with head_dim in {HEAD_DIMS}, "
-            f"got {q.dtype} of shape {tuple(q.shape)} on {q.device}"
-        )
-    _check_paged_args(q, k_cache, v_cache, block_tables, seq_lens_k, "seq_lens_k")
+    _check_kernel_args(q, "tokens", k_cache, v_cache, block_tables, seq_lens_k, "seq_lens_k")
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"cu_seqlens_q must be a 1-D int32/int64 tensor, "
