@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import test_engine_parity
+from paged_attention_cpu import cpu_kernel_available
 from test_engine_parity import BLOCK, FEATURES, GREEDY, hf_greedy, make_prompts
 from vllm_from_scratch import LLM, SamplingParams, compilation, default_model_dir
 from vllm_from_scratch.compilation import SMALL_BATCH_TOKENS, CompiledForward, compile_key
@@ -95,6 +96,19 @@ def test_compile_key_follows_threads_and_weights(tmp_path, tiny_qwen3_dir):
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
     assert compile_key(config) != key
+
+
+def test_the_graph_calls_chapter_02s_cpp_operator_for_attention(tiny_llama_dir):
+    """Every layer's attention in the exported forward is one call of the C++ store_and_attend
+    (no Python between the layers) where chapter 02's kernels load, else the Python operator."""
+    llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", enforce_eager=True)
+    runner = llm.llm_engine.executor.runner
+    example = compilation._example_inputs(8, runner.kv_cache, BLOCK)
+    with torch.inference_mode():
+        program = torch.export.export(compilation._ForwardWithCache(runner.model), example, strict=False)
+    targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
+    expected = "vllm_fs_cpu.store_and_attend" if cpu_kernel_available() else "vllm_fs.unified_attention"
+    assert sum(expected in t for t in targets) == len(runner.attn_layers), targets
 
 
 def test_a_cpu_compiles_unless_eager_is_enforced_or_the_model_is_split(tiny_llama_dir):
