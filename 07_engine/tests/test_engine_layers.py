@@ -15,6 +15,7 @@ from chunked_prefill import SchedulerInfo, build_batch_inputs
 from sequence import Sequence
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.layers import prepacked
+from vllm_from_scratch.layers.embed_head import ParallelLMHead
 from vllm_from_scratch.layers.layernorm import RMSNorm
 from vllm_from_scratch.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
 from vllm_from_scratch.layers.prepacked import FLOAT32_MIN_ROWS, can_pack, linear, pack_weight
@@ -22,6 +23,25 @@ from vllm_from_scratch.layers.rotary_embedding import get_rope
 from vllm_from_scratch.loader import get_model
 from vllm_from_scratch.model_runner import ModelRunner
 from vllm_from_scratch.models import get_model_class
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["F.linear", "prepacked"])
+def test_a_bfloat16_head_breaks_its_rounding_ties_as_float32_would(packed):
+    """Token 1's logit is 25.15625 and token 0's 25.125: bfloat16 rounds both to 25.125, and
+    argmax would take token 0; the head recomputes its largest logits in float32."""
+    head = ParallelLMHead(16, 4).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.weight[0] = torch.tensor([6.25, 6.25, 6.25, 6.375])
+        head.weight[1] = torch.tensor([6.25, 6.25, 6.25, 6.40625])
+    if packed:
+        head.prepack()
+    x = torch.ones(2, 4, dtype=torch.bfloat16)
+    assert torch.equal(torch.nn.functional.linear(x, head.weight)[0, :2], torch.tensor([25.125, 25.125]).bfloat16())
+    logits = head(x)
+    assert logits.dtype == torch.float32
+    assert logits[0, :2].tolist() == [25.125, 25.15625] and logits.argmax(-1).tolist() == [1, 1]
+    assert logits[0, 2:].eq(0).all()
 
 
 def test_rmsnorm_with_and_without_residual_matches_hf():

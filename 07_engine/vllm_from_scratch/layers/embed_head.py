@@ -66,9 +66,21 @@ class VocabParallelEmbedding(VocabParallelWeight):
         return y
 
 
+# Logits of a 16-bit head recomputed in float32 per row: the largest ones, where ties are decided.
+REFINED_LOGITS = 8
+
+
 class ParallelLMHead(PrepackableWeight, VocabParallelWeight):
     """The output projection to vocabulary logits: rank 0 returns the full logits, other ranks
-    None (a gather, not an all-gather: only rank 0 samples)."""
+    None (a gather, not an all-gather: only rank 0 samples).
+
+    A 16-bit head rounds its output: logits of about 25 come in steps of 0.125, so two tokens whose
+    float32 logits are 0.03 apart can come out equal, and argmax then takes the lower id (the
+    default model's bfloat16 answer to "What is the capital of France?" turned on such a tie).
+    An unsplit head therefore recomputes each row's :data:`REFINED_LOGITS` largest logits in
+    float32 from the same 16-bit inputs, as a GEMM accumulates them before rounding, and returns
+    float32 logits.
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, **tp: Unpack[TPArgs]):
         if bias:
@@ -77,4 +89,11 @@ class ParallelLMHead(PrepackableWeight, VocabParallelWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         logits = gather_to_first_rank(self.matmul(x), self.tp_rank, self.tp_size, group=self.tp_group)
-        return None if logits is None else logits[..., : self.num_embeddings]
+        if logits is None:
+            return None
+        logits = logits[..., : self.num_embeddings]
+        if self.tp_size > 1 or logits.dtype == torch.float32:
+            return logits
+        top = logits.topk(min(REFINED_LOGITS, self.num_embeddings), dim=-1).indices
+        exact = torch.einsum("...h,...kh->...k", x.float(), self.weight[top].float())
+        return logits.float().scatter_(-1, top, exact)
