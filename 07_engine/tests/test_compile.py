@@ -2,10 +2,10 @@
 
 The greedy-parity matrix of test_engine_parity.py (every engine feature, against transformers'
 ``generate``; eager there, as in every other test) runs again with ``enforce_eager=False``, on
-the tiny Llama and Qwen3 checkpoints, and both graphs (small and large batches) must have served
-forwards. A second engine for the same
-checkpoint loads the cached graphs without compiling. Each checkpoint compiles once per session
-(about a minute per graph on a 2-core CPU), into a temporary cache directory.
+the tiny Llama and Qwen3 checkpoints, and both forward graphs (small and large batches) must have
+served forwards; the third, the LM head of a few rows, equals the model's own. A second engine for
+the same checkpoint loads the cached graphs without compiling. Each checkpoint compiles once per
+session (about a minute per graph on a 2-core CPU), into a temporary cache directory.
 
 In bfloat16 no engine is token-identical to transformers, eager or compiled: logits of about 20
 carry steps of 0.125, so where the two best tokens are that close, summation order picks one.
@@ -79,6 +79,19 @@ def test_second_engine_loads_the_cached_graphs(monkeypatch, forward_sizes, tiny_
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in outs] == [hf_greedy(tiny_llama_dir, tuple(p)) for p in prompts]
     assert forward_sizes
+
+
+@pytest.mark.slow
+def test_the_lm_head_of_a_few_rows_runs_compiled(forward_sizes, tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", device="cpu")
+    runner = llm.llm_engine.executor.runner
+    hidden = torch.randn(SMALL_BATCH_TOKENS + 1, runner.config.hf_config.hidden_size)
+    with torch.inference_mode():
+        for rows in (1, SMALL_BATCH_TOKENS):
+            compiled = runner.compiled_forward.compute_logits(hidden[:rows])
+            torch.testing.assert_close(compiled, runner.model.compute_logits(hidden[:rows]), atol=1e-4, rtol=1e-4)
+        assert runner.compiled_forward.compute_logits(hidden) is None  # more rows: the model's own head
+        assert runner.compiled_forward.compute_logits(hidden[:0]) is None
 
 
 def test_compile_key_follows_threads_and_weights(tmp_path, tiny_qwen3_dir):

@@ -15,7 +15,8 @@ change to the model's code:
   one file. Two graphs, split by token count (:data:`SMALL_BATCH_TOKENS`): small batches use
   inductor's own GEMM kernels (``max_autotune`` with its C++ template), which read a weight
   about twice as fast as oneDNN when a matmul has a row or two; larger ones keep oneDNN's packed
-  GEMMs, which the template falls far behind from about eight rows.
+  GEMMs, which the template falls far behind from about eight rows. A third graph is the LM head
+  alone for the same few rows (the sampled rows of a small decode), with the template.
 * A package is written once under ``$XDG_CACHE_HOME/vllm_from_scratch/compiled/`` (normally
   ``~/.cache``) in a directory named by everything the compiled code depends on
   (:func:`compile_key`); a later process loads it in a fraction of a second.
@@ -64,6 +65,7 @@ SMALL_BATCH_TOKENS = 4
 GRAPHS: dict[str, dict[str, object]] = {
     "small": {"max_autotune": True, "max_autotune_gemm_backends": "CPP"},
     "large": {},
+    "logits": {"max_autotune": True, "max_autotune_gemm_backends": "CPP"},
 }
 STAMP = "key.txt"
 # The code a graph is traced from: the models, their layers and this module.
@@ -129,6 +131,18 @@ class _ForwardWithCache(nn.Module):
         return self.model(input_ids, positions, md)
 
 
+class _Logits(nn.Module):
+    """``model.compute_logits(hidden)`` for ``torch.export``: the LM head of the sampled rows."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Every registered model defines compute_logits (models/__init__.py); mypy sees a Module attribute.
+        return self.model.compute_logits(hidden)  # type: ignore[operator]
+
+
 def _example_inputs(num_tokens: int, kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, ...]:
     """A two-request batch of ``num_tokens`` tokens over a 7-block cache shaped like ``kv_cache``:
     every symbolic size distinct from the others (the tracer must not assume two of them equal)."""
@@ -148,8 +162,15 @@ def _example_inputs(num_tokens: int, kv_cache: torch.Tensor, block_size: int) ->
     )
 
 
-def _compile_graph(model: nn.Module, kv_cache: torch.Tensor, block_size: int, name: str, path: Path) -> None:
-    """Export the forward for the token range of graph ``name`` and compile it into ``path``."""
+def _compile_graph(model: nn.Module, kv_cache: torch.Tensor, config: EngineConfig, name: str, path: Path) -> None:
+    """Export graph ``name`` (the forward for its token range, or the LM head) and compile it into ``path``."""
+    if name == "logits":
+        rows = torch.export.Dim("rows", min=1, max=SMALL_BATCH_TOKENS)
+        hidden = kv_cache.new_zeros(SMALL_BATCH_TOKENS, config.hf_config.hidden_size)
+        with torch.inference_mode():
+            program = torch.export.export(_Logits(model), (hidden,), dynamic_shapes=({0: rows},), strict=False)
+            _package(program, name, path)
+        return
     tokens = (
         torch.export.Dim("tokens", min=1, max=SMALL_BATCH_TOKENS)
         if name == "small"
@@ -165,23 +186,28 @@ def _compile_graph(model: nn.Module, kv_cache: torch.Tensor, block_size: int, na
         {0: seqs, 1: width},
         {2: blocks},
     )
-    example = _example_inputs(SMALL_BATCH_TOKENS if name == "small" else 2 * SMALL_BATCH_TOKENS, kv_cache, block_size)
+    num_tokens = SMALL_BATCH_TOKENS if name == "small" else 2 * SMALL_BATCH_TOKENS
+    example = _example_inputs(num_tokens, kv_cache, config.kvcache_block_size)
     with torch.inference_mode():
         program = torch.export.export(_ForwardWithCache(model), example, dynamic_shapes=dynamic_shapes, strict=False)
-        partial = path.with_name(f"{path.stem}.{os.getpid()}.pt2")
-        torch._inductor.aoti_compile_and_package(
-            program, package_path=str(partial), inductor_configs={"freezing": True, **GRAPHS[name]}
-        )
+        _package(program, name, path)
+
+
+def _package(program: torch.export.ExportedProgram, name: str, path: Path) -> None:
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.pt2")
+    torch._inductor.aoti_compile_and_package(
+        program, package_path=str(partial), inductor_configs={"freezing": True, **GRAPHS[name]}
+    )
     os.replace(partial, path)
 
 
-def _compile_graphs(model: nn.Module, kv_cache: torch.Tensor, block_size: int, directory: Path) -> None:
+def _compile_graphs(model: nn.Module, kv_cache: torch.Tensor, config: EngineConfig, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     log.info("compiling the forward into %s (once per model, dtype, thread count and CPU)", directory)
     desc = "compiling the forward, once (enforce_eager=True skips it)"
     for name in tqdm(GRAPHS, desc=desc, unit="graph", dynamic_ncols=True):
         start = time.perf_counter()
-        _compile_graph(model, kv_cache, block_size, name, directory / f"{name}.pt2")
+        _compile_graph(model, kv_cache, config, name, directory / f"{name}.pt2")
         log.info("compiled the %s-batch forward in %.1f s", name, time.perf_counter() - start)
 
 
@@ -206,7 +232,7 @@ class CompiledForward:
         stamp = directory / STAMP
         if not (stamp.is_file() and stamp.read_text() == key):
             try:
-                _compile_graphs(model, kv_cache, config.kvcache_block_size, directory)
+                _compile_graphs(model, kv_cache, config, directory)
             except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the eager forward
                 log.warning(
                     "could not compile the forward (%s); running it eagerly (enforce_eager=True skips trying)", exc
@@ -227,6 +253,14 @@ class CompiledForward:
         batch's K/V is written to ``kv_cache``."""
         graph = self.graphs["small" if input_ids.shape[0] <= SMALL_BATCH_TOKENS else "large"]
         return graph(input_ids, positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens_k, md.block_tables, kv_cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The LM head's logits of ``hidden``'s rows through the compiled graph, for 1 to
+        :data:`SMALL_BATCH_TOKENS` rows (its GEMM template reads the 28 M weights of the default
+        model's head faster than oneDNN does for a row or two); None for any other count."""
+        if not 1 <= hidden.shape[0] <= SMALL_BATCH_TOKENS:
+            return None
+        return self.graphs["logits"](hidden)
 
 
 def main(argv: list[str] | None = None) -> None:

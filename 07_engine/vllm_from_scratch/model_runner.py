@@ -307,8 +307,10 @@ class ModelRunner:
         Every rank must call it with the same rows: under tensor parallelism it gathers the
         vocabulary shards to rank 0, which alone samples.
         """
-        # Every registered model defines compute_logits (models/__init__.py); mypy sees a Module attribute.
-        logits = self.model.compute_logits(hidden)  # type: ignore[operator]
+        logits = None if self.compiled_forward is None else self.compiled_forward.compute_logits(hidden)
+        if logits is None:
+            # Every registered model defines compute_logits (models/__init__.py); mypy sees a Module attribute.
+            logits = self.model.compute_logits(hidden)  # type: ignore[operator]
         return None if logits is None else logits.float()
 
     @torch.inference_mode()
