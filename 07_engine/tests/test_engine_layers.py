@@ -25,8 +25,12 @@ from vllm_from_scratch.model_runner import ModelRunner
 from vllm_from_scratch.models import get_model_class
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["F.linear", "prepacked"])
-def test_a_bfloat16_head_breaks_its_rounding_ties_as_float32_would(packed):
+@pytest.mark.parametrize(
+    "device,packed",
+    [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=pytest.mark.cuda)],
+    ids=["F.linear", "prepacked", "cuda"],
+)
+def test_a_bfloat16_head_breaks_its_rounding_ties_as_float32_would(device, packed):
     """Token 1's logit is 25.15625 and token 0's 25.125: bfloat16 rounds both to 25.125, and
     argmax would take token 0; the head recomputes its largest logits in float32."""
     head = ParallelLMHead(16, 4).to(torch.bfloat16)
@@ -36,8 +40,9 @@ def test_a_bfloat16_head_breaks_its_rounding_ties_as_float32_would(packed):
         head.weight[1] = torch.tensor([6.25, 6.25, 6.25, 6.40625])
     if packed:
         head.prepack()
-    x = torch.ones(2, 4, dtype=torch.bfloat16)
-    assert torch.equal(torch.nn.functional.linear(x, head.weight)[0, :2], torch.tensor([25.125, 25.125]).bfloat16())
+    head = head.to(device)
+    x = torch.ones(2, 4, dtype=torch.bfloat16, device=device)
+    assert torch.nn.functional.linear(x, head.weight)[0, :2].tolist() == [25.125, 25.125]
     logits = head(x)
     assert logits.dtype == torch.float32
     assert logits[0, :2].tolist() == [25.125, 25.15625] and logits.argmax(-1).tolist() == [1, 1]

@@ -208,7 +208,7 @@ def _compile_graphs(model: nn.Module, kv_cache: torch.Tensor, config: EngineConf
     for name in tqdm(GRAPHS, desc=desc, unit="graph", dynamic_ncols=True):
         start = time.perf_counter()
         _compile_graph(model, kv_cache, config, name, directory / f"{name}.pt2")
-        log.info("compiled the %s-batch forward in %.1f s", name, time.perf_counter() - start)
+        log.info("compiled the %s graph in %.1f s", name, time.perf_counter() - start)
 
 
 class CompiledForward:

@@ -300,7 +300,7 @@ class Sampler:
         Speculative decoding's rejection sampler needs these probabilities, not just a sample.
         """
         greedy = temperatures < 1e-5
-        # Dividing by float32 temperatures promotes 16-bit logits: one pass, not a copy and a pass.
+        # Float32 temperatures promote 16-bit logits in the division itself (the runner passes float32).
         scaled = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures).unsqueeze(1).float()
         if top_ks is not None or top_ps is not None:
             scaled = apply_top_k_top_p(scaled, top_ks, top_ps)
