@@ -1,9 +1,12 @@
 """Turn the last-token logits of a batch into next tokens, one vectorized pass for all rows.
 
-Each row has its own temperature (0: greedy), top-k, top-p and optional seed. Sampling is the
-"exponential race": ``argmax(p / E)`` with ``E ~ Exp(1)`` is an exact draw from ``p``, so a batch
-samples with one ``argmax`` and a seeded request draws its row of ``E`` from its own generator,
-whatever else is in the batch (:func:`exponential_noise`, vLLM V1's ``random_sample``).
+Each row has its own temperature (0: greedy), top-k, top-p and optional seed. A row samples by
+inverse transform: the first token whose cumulative probability reaches ``u`` times the row's
+total, with one uniform ``u`` per row, is an exact draw from the row's distribution. A seeded
+request draws its ``u`` from its own generator, so its tokens do not depend on what else is in
+the batch (:func:`uniform_noise`). Chapter 05's rejection sampler draws its recovered tokens by
+the exponential race instead, whose ``[rows, vocab]`` noise its kernels take as an input
+(:func:`exponential_noise`).
 """
 
 from __future__ import annotations
@@ -43,28 +46,36 @@ def check_generators(generators: Sequence[torch.Generator | None], device: torch
             raise ValueError(f"generators must be on the tensors' device ({device.type}), got one on {gen.device}")
 
 
-def exponential_noise(
-    num_rows: int, vocab_size: int, device: torch.device, generators: Sequence[torch.Generator | None] | None = None
+def uniform_noise(
+    num_rows: int, width: int, device: torch.device, generators: Sequence[torch.Generator | None] | None = None
 ) -> torch.Tensor:
-    """``[num_rows, vocab_size]`` Exp(1) noise: one draw for the whole batch from the device's
+    """``[num_rows, width]`` uniforms in ``[0, 1)``: one draw for the whole batch from the device's
     default generator, then one draw per *seeded* row from that row's generator.
 
-    A seeded row consumes ``vocab_size`` numbers of its own generator per call whatever the batch,
-    so its tokens do not depend on what else runs. Torch generators have no batched draw, so each
+    A seeded row consumes ``width`` numbers of its own generator per call whatever the batch, so
+    its tokens do not depend on what else runs. Torch generators have no batched draw, so each
     seeded row costs one launch (as in vLLM V1); unseeded rows never do.
     """
     generators = generators or ()
     check_generators(generators, device)
-    # E = -log(U), U ~ Uniform[0, 1): a CPU draws uniforms ~6x faster than exponential_()
-    # (5 against 30 ms for 32 x 49k).
-    uniform = torch.empty(num_rows, vocab_size, device=device)
+    uniform = torch.empty(num_rows, width, device=device)
     if sum(g is not None for g in generators) < num_rows:
         uniform.uniform_()
     for row, gen in enumerate(generators):
         if gen is not None:
             uniform[row].uniform_(generator=gen)
-    # U = 0 gives E = inf (weight 0: fine); a U rounded to 1 would give E = 0 and 0 / 0 = NaN,
-    # which argmax would pick, hence the floor.
+    return uniform
+
+
+def exponential_noise(
+    num_rows: int, vocab_size: int, device: torch.device, generators: Sequence[torch.Generator | None] | None = None
+) -> torch.Tensor:
+    """``[num_rows, vocab_size]`` Exp(1) noise drawn as :func:`uniform_noise` draws, for chapter
+    05's exponential race ``argmax(p / E)``."""
+    # E = -log(U), U ~ Uniform[0, 1): a CPU draws uniforms ~6x faster than exponential_()
+    # (5 against 30 ms for 32 x 49k). U = 0 gives E = inf (weight 0: fine); a U rounded to 1
+    # would give E = 0 and 0 / 0 = NaN, which argmax would pick, hence the floor.
+    uniform = uniform_noise(num_rows, vocab_size, device, generators)
     return uniform.log_().neg_().clamp_(min=torch.finfo(torch.float32).tiny)
 
 
@@ -312,8 +323,15 @@ class Sampler:
 
     @staticmethod
     def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
-        """One exact draw per row: ``argmax(probs / E)`` with exponential noise ``E``."""
-        return (probs / exponential_noise(probs.shape[0], probs.shape[1], probs.device, generators)).argmax(dim=-1)
+        """One exact draw per row by inverse transform: the first token whose cumulative
+        probability reaches ``u`` times the row's total, ``u`` uniform in ``(0, 1]``.
+
+        The point ``u * total`` is above 0 and at most the total, so the token found adds
+        probability of its own: a zero-probability token (masked by top-k or top-p) never is.
+        """
+        cdf = probs.cumsum(dim=-1)
+        u = 1.0 - uniform_noise(probs.shape[0], 1, probs.device, generators)
+        return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
 
     def __call__(
         self,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_from_scratch.sampler import uniform_noise
+
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
     """Mask (to -inf) logits outside each row's top-k and top-p set.
@@ -48,13 +50,19 @@ def compute_probs(
 
 
 def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
-    """One exact draw per row: ``argmax(probs / E)`` with exponential noise ``E``.
+    """One exact draw per row by inverse transform: the first token whose cumulative
+    probability reaches ``u`` times the row's total, ``u`` uniform in ``(0, 1]``.
+
+    The point ``u * total`` is above 0 and at most the total, so the token found adds
+    probability of its own: a zero-probability token (masked by top-k or top-p) never is.
 
     Becomes ``Sampler.sample_from_probs`` (a method: ``self`` is the Sampler). Call parent
     methods as ``Parent.method(self, ...)``, not ``super()``.
 
-    Hint: argmax(probs / E) with E ~ Exp(1) is an exact draw from probs; draw a seeded row's E
-    from its own generator so the rest of the batch cannot change it.
+    Hint: The first token whose cumulative probability reaches u times the row's total, with one
+    uniform u in (0, 1] per row, is an exact draw (torch.searchsorted on the cumsum); draw a
+    seeded row's u from its own generator (uniform_noise) so the rest of the batch cannot change
+    it.
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.8
     """

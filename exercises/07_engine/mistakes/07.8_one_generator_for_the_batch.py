@@ -1,6 +1,8 @@
-from vllm_from_scratch.sampler import exponential_noise
+import torch
 
 
 def sample_from_probs(probs, generators=None):
-    """Draws the whole batch's noise from the default generator, so a seeded row depends on the batch."""
-    return (probs / exponential_noise(probs.shape[0], probs.shape[1], probs.device)).argmax(dim=-1)
+    """Draws every row's uniform from the default generator, so a seeded row depends on the batch."""
+    cdf = probs.cumsum(dim=-1)
+    u = 1.0 - torch.rand(probs.shape[0], 1, device=probs.device)
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
