@@ -15,13 +15,14 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 from transformers import AutoTokenizer
 
 from vllm_from_scratch import serve
 from vllm_from_scratch.api_server import build_app, default_max_request_bytes
-from vllm_from_scratch.async_llm import AsyncLLM
+from vllm_from_scratch.async_llm import AsyncLLM, build_engine
 from vllm_from_scratch.default_model import default_model_dir
 from vllm_from_scratch.engine import RequestOutput, encode_prompt, resolve_max_tokens
 from vllm_from_scratch.openai_protocol import APIError, CompletionRequest
@@ -385,6 +386,35 @@ def test_engine_value_error_reaches_the_caller_and_loop_lives(engine):
             llm.shutdown()
 
     assert asyncio.run(scenario()) == [[10], [10]]
+
+
+def test_build_engine_builds_in_a_thread_that_has_ended():
+    builders = []
+
+    def factory():
+        builders.append(threading.current_thread())
+        return "engine"
+
+    assert build_engine(factory) == "engine"
+    assert builders[0] is not threading.current_thread() and not builders[0].is_alive()
+
+    def broken():
+        raise ValueError("max_num_seqs must be >= 1")
+
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        build_engine(broken)
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or torch.get_num_threads() < 2, reason="counts OpenMP workers on Linux"
+)
+def test_build_engine_leaves_no_openmp_workers_behind():
+    """The building thread's OpenMP pool ends with it: the process has as many threads after a
+    build that ran parallel regions as before (a pool left behind is a worker thread more)."""
+    before = len(os.listdir("/proc/self/task"))
+    product = build_engine(lambda: torch.ones(512, 512) @ torch.ones(512, 512))
+    assert product[0, 0] == 512
+    assert len(os.listdir("/proc/self/task")) == before
 
 
 def test_many_concurrent_requests_share_the_loop(client):

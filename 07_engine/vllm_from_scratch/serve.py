@@ -113,11 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from vllm_from_scratch.api_server import build_app
+    from vllm_from_scratch.async_llm import build_engine
     from vllm_from_scratch.default_model import default_model_dir
     from vllm_from_scratch.engine import LLMEngine
 
     model_dir = args.model or default_model_dir()
-    engine = LLMEngine(model_dir, **EngineConfig.cli_kwargs(args))
+    engine = build_engine(lambda: LLMEngine(model_dir, **EngineConfig.cli_kwargs(args)))
     api_key = resolve_api_key(args)
     if api_key is None and not is_loopback(args.host):
         log.warning(
