@@ -192,6 +192,7 @@ class MooncakeKVPool(KVPoolBackend):
             in other segments (e.g. a standalone ``mooncake_client``) and outlive this process.
         local_buffer_size: bytes of the staging buffer used by put/get.
         protocol: ``"tcp"`` (``"rdma"`` on machines with RDMA NICs).
+        setup_attempts: how many times to try reaching the master before giving up.
 
     Raises :class:`KVPoolError` when the store cannot be reached.
     """
@@ -206,7 +207,10 @@ class MooncakeKVPool(KVPoolBackend):
         global_segment_size: int = 64 << 20,
         local_buffer_size: int = 64 << 20,
         protocol: str = "tcp",
+        setup_attempts: int = 3,
     ):
+        if setup_attempts < 1:
+            raise ValueError(f"setup_attempts must be >= 1, got {setup_attempts}")
         if global_segment_size < 0:
             raise ValueError(f"global_segment_size must be >= 0, got {global_segment_size}")
         if local_buffer_size <= 0:
@@ -218,13 +222,23 @@ class MooncakeKVPool(KVPoolBackend):
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:
             raise KVPoolError(f"the Mooncake store cannot be imported: {exc}") from exc
-        self.local_hostname = local_hostname or f"127.0.0.1:{_free_port()}"
-        self._store = MooncakeDistributedStore()
-        rc = self._store.setup(
-            self.local_hostname, metadata_url, global_segment_size, local_buffer_size, protocol, "", master_addr
-        )
-        if rc != 0:
-            raise KVPoolError(f"Mooncake setup failed with code {rc} (master {master_addr}, metadata {metadata_url})")
+        # A master that has only just opened its port can drop a first connection (RPC "End of
+        # file", code -600): each attempt gets a fresh store, and a fresh port when none is given.
+        for attempt in range(1, setup_attempts + 1):
+            self.local_hostname = local_hostname or f"127.0.0.1:{_free_port()}"
+            self._store = MooncakeDistributedStore()
+            rc = self._store.setup(
+                self.local_hostname, metadata_url, global_segment_size, local_buffer_size, protocol, "", master_addr
+            )
+            if rc == 0:
+                break
+            if attempt < setup_attempts:
+                time.sleep(0.5 * attempt)
+        else:
+            raise KVPoolError(
+                f"Mooncake setup failed with code {rc} after {setup_attempts} attempts "
+                f"(master {master_addr}, metadata {metadata_url})"
+            )
         self._closed = False
 
     def put_many(self, items: dict[str, bytes]) -> None:

@@ -4,6 +4,8 @@ Every fault test checks the three promises: a warning, fewer blocks loaded, and 
 attention) equal to a fresh computation, because the engine recomputes what it did not load.
 """
 
+import sys
+import types
 import warnings
 
 import pytest
@@ -15,6 +17,7 @@ from global_kv_pool import (
     KVBlockCorrupt,
     KVPoolBackend,
     KVPoolError,
+    MooncakeKVPool,
     deserialize_block,
     serialize_block,
 )
@@ -222,3 +225,54 @@ def test_bad_arguments_raise_value_error():
     pool = GlobalKVPool(block_size=BS)
     with pytest.raises(ValueError, match="same length"):
         pool.publish([b"\0" * 16], [], torch.zeros(2, 1, 4, BS, 1, 4), [0])
+
+
+class FlakyMooncakeStore:
+    """Stands in for ``mooncake.store.MooncakeDistributedStore``: the first setups fail like a
+    master that drops a fresh connection (-600)."""
+
+    failures_left = 0
+    setups: list[str] = []
+
+    def setup(self, local_hostname, metadata_url, global_segment, local_buffer, protocol, device, master):
+        FlakyMooncakeStore.setups.append(local_hostname)
+        if FlakyMooncakeStore.failures_left > 0:
+            FlakyMooncakeStore.failures_left -= 1
+            return -600
+        return 0
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def flaky_mooncake(monkeypatch):
+    package = types.ModuleType("mooncake")
+    store_module = types.ModuleType("mooncake.store")
+    store_module.MooncakeDistributedStore = FlakyMooncakeStore
+    package.store = store_module
+    monkeypatch.setitem(sys.modules, "mooncake", package)
+    monkeypatch.setitem(sys.modules, "mooncake.store", store_module)
+    FlakyMooncakeStore.setups = []
+    return FlakyMooncakeStore
+
+
+def test_mooncake_setup_retries_a_dropped_first_connection(flaky_mooncake):
+    flaky_mooncake.failures_left = 1
+    backend = MooncakeKVPool("127.0.0.1:1", "http://127.0.0.1:2/metadata", setup_attempts=2)
+    assert len(flaky_mooncake.setups) == 2
+    assert backend.local_hostname == flaky_mooncake.setups[1]
+    backend.close()
+
+
+def test_mooncake_setup_gives_up_after_its_attempts(flaky_mooncake):
+    flaky_mooncake.failures_left = 5
+    with pytest.raises(KVPoolError, match="code -600 after 2 attempts"):
+        MooncakeKVPool("127.0.0.1:1", "http://127.0.0.1:2/metadata", setup_attempts=2)
+    assert len(flaky_mooncake.setups) == 2
+
+
+def test_mooncake_setup_attempts_must_be_positive(flaky_mooncake):
+    with pytest.raises(ValueError, match="setup_attempts"):
+        MooncakeKVPool("127.0.0.1:1", "http://127.0.0.1:2/metadata", setup_attempts=0)
+    assert flaky_mooncake.setups == []
