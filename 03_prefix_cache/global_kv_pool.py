@@ -232,6 +232,7 @@ class MooncakeKVPool(KVPoolBackend):
             )
             if rc == 0:
                 break
+            self._store.close()  # releases the failed attempt's buffers at once, not at collection
             if attempt < setup_attempts:
                 time.sleep(0.5 * attempt)
         else:

@@ -233,6 +233,7 @@ class FlakyMooncakeStore:
 
     failures_left = 0
     setups: list[str] = []
+    closes = 0
 
     def setup(self, local_hostname, metadata_url, global_segment, local_buffer, protocol, device, master):
         FlakyMooncakeStore.setups.append(local_hostname)
@@ -242,7 +243,7 @@ class FlakyMooncakeStore:
         return 0
 
     def close(self):
-        pass
+        FlakyMooncakeStore.closes += 1
 
 
 @pytest.fixture
@@ -254,6 +255,7 @@ def flaky_mooncake(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake", package)
     monkeypatch.setitem(sys.modules, "mooncake.store", store_module)
     FlakyMooncakeStore.setups = []
+    FlakyMooncakeStore.closes = 0
     return FlakyMooncakeStore
 
 
@@ -262,6 +264,7 @@ def test_mooncake_setup_retries_a_dropped_first_connection(flaky_mooncake):
     backend = MooncakeKVPool("127.0.0.1:1", "http://127.0.0.1:2/metadata", setup_attempts=2)
     assert len(flaky_mooncake.setups) == 2
     assert backend.local_hostname == flaky_mooncake.setups[1]
+    assert flaky_mooncake.closes == 1, "the failed attempt's store is closed"
     backend.close()
 
 
@@ -270,6 +273,7 @@ def test_mooncake_setup_gives_up_after_its_attempts(flaky_mooncake):
     with pytest.raises(KVPoolError, match="code -600 after 2 attempts"):
         MooncakeKVPool("127.0.0.1:1", "http://127.0.0.1:2/metadata", setup_attempts=2)
     assert len(flaky_mooncake.setups) == 2
+    assert flaky_mooncake.closes == 2
 
 
 def test_mooncake_setup_attempts_must_be_positive(flaky_mooncake):
