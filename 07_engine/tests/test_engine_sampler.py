@@ -117,6 +117,29 @@ def test_a_generator_on_another_device_than_the_noise_is_refused():
     assert Sampler.sample_from_probs(probs).shape == (3,)  # unseeded rows draw on the tensors' device
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_inverse_transform_on_the_device_skips_masked_tokens_and_keeps_seeded_rows_alone(device):
+    """The draw the engine makes on its own device: a token of probability 0 (first, middle or
+    last in its row) is never drawn, and a seeded row equals the same generator's draw alone."""
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5], [0.25, 0.0, 0.75, 0.0]], device=device).repeat(256, 1)
+    draws = Sampler.sample_from_probs(probs)
+    assert set(draws[0::2].tolist()) == {1, 3} and set(draws[1::2].tolist()) == {0, 2}
+    seeded_rows = range(0, 64, 4)  # 16 rows of two outcomes each: all equal by chance is 2^-16
+
+    def generator(row: int) -> torch.Generator:
+        return torch.Generator(device=device).manual_seed(100 + row)
+
+    gens: list[torch.Generator | None] = [None] * probs.shape[0]
+    for row in seeded_rows:
+        gens[row] = generator(row)
+    in_batch = Sampler.sample_from_probs(probs, gens)
+    alone = [int(Sampler.sample_from_probs(probs[row : row + 1], [generator(row)])[0]) for row in seeded_rows]
+    assert [int(in_batch[row]) for row in seeded_rows] == alone
+
+
 def test_exponential_noise_is_positive_and_a_seeded_row_is_its_generators_alone():
     gens = [None, torch.Generator().manual_seed(3)]
     noise = exponential_noise(2, 1000, torch.device("cpu"), gens)
