@@ -102,8 +102,11 @@ def answer_key(chapters: list[str] | None = None) -> dict[Path, str]:
     return make_stubs.expected_files(solutions=True, chapters=chapters)
 
 
-def grade_round(batch: list[Mistake], key: dict[Path, str], workdir: Path) -> list[tuple[Mistake, grade.ExerciseScore]]:
-    """Plant ``batch`` (at most one mistake per exercise) into the answer key and grade them."""
+def grade_round(
+    batch: list[Mistake], key: dict[Path, str], workdir: Path, graded_by: str = "both", draw: str | None = None
+) -> list[tuple[Mistake, grade.ExerciseScore]]:
+    """Plant ``batch`` (at most one mistake per exercise) into the answer key and grade them on
+    their own tests (``graded_by``: both kinds, or only the hand-written or differential ones)."""
     files = dict(key)
     all_exercises = ep.load_exercises()
     for m in batch:
@@ -117,31 +120,73 @@ def grade_round(batch: list[Mistake], key: dict[Path, str], workdir: Path) -> li
     for rel, text in files.items():
         (workdir / rel).parent.mkdir(parents=True, exist_ok=True)
         (workdir / rel).write_text(text)
-    scores = {s.id: s for s in grade.grade("student", exercises_dir=workdir, ids=[m.exercise.id for m in batch])}
+    ids = [m.exercise.id for m in batch]
+    scores = {s.id: s for s in grade.grade("student", exercises_dir=workdir, ids=ids, graded_by=graded_by, draw=draw)}
     return [(m, scores[m.exercise.id]) for m in batch]
 
 
-def check(chapters: list[str] | None = None) -> list[tuple[Mistake, grade.ExerciseScore]]:
+def check(
+    chapters: list[str] | None = None, graded_by: str = "both", draw: str | None = None
+) -> list[tuple[Mistake, grade.ExerciseScore]]:
     """Grade every catalogued mistake of ``chapters``; each result should be below full marks."""
     mistakes = [m for m in load_mistakes() if not chapters or m.exercise.chapter in chapters]
     key = answer_key(sorted({m.exercise.chapter for m in mistakes}))
     results = []
     for r, batch in enumerate(rounds(mistakes)):
         with tempfile.TemporaryDirectory(prefix=f"mistakes-round{r}-") as tmp:
-            results += grade_round(batch, key, Path(tmp))
+            results += grade_round(batch, key, Path(tmp), graded_by, draw)
     return sorted(results, key=lambda result: mistakes.index(result[0]))
+
+
+def caught_by(m: Mistake, s: grade.ExerciseScore) -> dict[str, bool]:
+    """Which kinds of the exercise's own tests fail with the mistake planted."""
+    failed = [t.nodeid for t in s.tests if t.outcome != "passed"]
+    return {
+        "differential": any(m.exercise.selects(n, "differential") for n in failed),
+        "hand-written": any(m.exercise.selects(n, "handwritten") for n in failed),
+    }
+
+
+def _figure(name: str, caught: int, total: int) -> str:
+    return f"{name}: {caught}/{total} caught ({100 * caught / total:.1f} %)" if total else f"{name}: no mistakes"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chapter", action="append", help="only this chapter (repeatable)")
+    parser.add_argument(
+        "--compare-draws",
+        action="store_true",
+        help="also grade the differential tests alone with the other way of drawing inputs "
+        f"({' or '.join(ep.harness.DRAWS)}) and print its figure",
+    )
     args = parser.parse_args(argv)
+    draw = ep.harness.draw_from(None)
+    results = check(args.chapter)
     missed = 0
-    for m, s in check(args.chapter):
+    counts = {"differential": 0, "hand-written": 0}
+    for m, s in results:
         caught = s.total > 0 and s.passed < s.total
         missed += not caught
+        kinds = caught_by(m, s)
+        for kind, hit in kinds.items():
+            counts[kind] += hit
+        by = ", ".join(k for k, hit in kinds.items() if hit) or "nothing"
         verdict = f"caught {s.passed}/{s.total}" if caught else f"MISSED {s.passed}/{s.total}"
-        print(f"{verdict:<14} {m.name}: {m.misconception}")
+        print(f"{verdict:<14} by {by:<28} {m.name}: {m.misconception}")
+    total = len(results)
+    print()
+    print(_figure(f"differential tests alone ({draw} draws)", counts["differential"], total))
+    print(_figure("hand-written tests alone", counts["hand-written"], total))
+    print(_figure("all of an exercise's own tests", total - missed, total))
+    if args.compare_draws:
+        other = next(d for d in ep.harness.DRAWS if d != draw)
+        alone = check(args.chapter, graded_by="differential", draw=other)
+        hits = sum(s.total > 0 and s.passed < s.total for _, s in alone)
+        print(_figure(f"differential tests alone ({other} draws)", hits, len(alone)))
+        for m, s in alone:
+            if (s.passed < s.total) != caught_by(m, dict(results)[m])["differential"]:
+                print(f"  {'only' if s.passed < s.total else 'not'} with {other} draws: {m.name}")
     print(f"\n{missed} mistake(s) scored full marks")
     return 1 if missed else 0
 
