@@ -411,13 +411,16 @@ def run_in_lockstep(
     from prefix_block_manager import PrefixCachingBlockManager
 
     vocab, bs = rng.choice([16, 40]), rng.choice([1, 2, 4])
-    max_prompt, max_out = rng.randint(1, 20), rng.randint(1, 8)
-    num_blocks = cdiv(max_prompt + max_out - 1, bs) + rng.choice([0, 1, 3, 10])
+    max_prompt, max_out = rng.randint(1, 20), rng.randint(1, 12)
     longest = max_prompt + max_out - 1
-    budget = rng.randint(1, 2 * longest) if chunked else rng.randint(longest, 2 * longest)
+    # Tight caches and several requests at once: preemption, a waiting queue, a head that does not
+    # fit while a smaller request behind it would are what the scheduling rules are about.
+    num_blocks = cdiv(longest, bs) + rng.choice([0, 1, 2, 4, 10])
+    # Without chunking a request's prompt plus max_tokens - 1 must fit the budget: drawn below to fit.
+    budget = rng.randint(1, 2 * longest) if chunked else rng.randint(max_prompt, 2 * longest)
     prefix_caching, remote = rng.random() < 0.5, rng.random() < 0.3
     params = dict(
-        max_num_seqs=rng.randint(1, 4),
+        max_num_seqs=rng.randint(1, 6),
         max_num_batched_tokens=budget,
         num_gpu_blocks=num_blocks,
         policy=rng.choice(["fcfs", "priority"]),
@@ -427,12 +430,13 @@ def run_in_lockstep(
         params["long_prefill_token_threshold"] = rng.choice([None, rng.randint(1, 8)])
     base = [rng.randrange(1, vocab) for _ in range(max_prompt)]
     specs = []
-    for i in range(rng.randint(1, 6)):
+    for i in range(rng.randint(2, 8)):
         n = rng.randint(1, max_prompt)
         shared = rng.randint(0, n) if rng.random() < 0.6 else 0
         prompt = base[:shared] + [rng.randrange(1, vocab) for _ in range(n - shared)]
-        specs.append((f"r{i}", prompt, rng.randint(1, max_out), rng.randint(0, 2), float(rng.randint(0, 3)),
-                      rng.random() < 0.3, rng.randint(0, 6)))  # fmt: skip
+        max_tokens = rng.randint(1, max_out if chunked else min(max_out, budget - n + 1))
+        specs.append((f"r{i}", prompt, max_tokens, rng.randint(0, 3), float(rng.randint(0, 3)),
+                      rng.random() < 0.3, rng.choice([0, 0, 1, rng.randint(0, 8)])))  # fmt: skip
     plan: dict[str, int | str] = {s[0]: rng.choice([0, 0, 1, 2, "wait"]) for s in specs}
     sides = []
     for _ in range(2):
