@@ -437,8 +437,9 @@ def run_in_lockstep(
         max_tokens = rng.randint(1, max_out if chunked else min(max_out, budget - n + 1))
         specs.append((f"r{i}", prompt, max_tokens, rng.randint(0, 3), float(rng.randint(0, 3)),
                       rng.random() < 0.3, rng.choice([0, 0, 1, rng.randint(0, 8)])))  # fmt: skip
-    plan: dict[str, int | str] = {s[0]: rng.choice([0, 0, 1, 2, "wait"]) for s in specs}
-    sides = []
+    answers: list[int | str] = [0, 0, 1, 2, "wait"]
+    plan = {str(s[0]): rng.choice(answers) for s in specs}
+    sides: list[dict] = []
     for _ in range(2):
         bm = (PrefixCachingBlockManager if prefix_caching else BlockManager)(num_blocks, bs)
         connector = PlannedConnector(plan, bs) if remote else None

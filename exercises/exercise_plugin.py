@@ -84,6 +84,12 @@ def _load_sibling(stem: str):
 harness = _load_sibling("differential")
 
 
+def _names(nodeid: str, test: str) -> bool:
+    """Is ``nodeid`` the test ``test`` names: itself, one of its parametrized cases, or a method of
+    the class it names?"""
+    return nodeid == test or nodeid.startswith((test + "[", test + "::"))
+
+
 @dataclass(frozen=True)
 class Exercise:
     """One exercise of one chapter, as its registry entry describes it."""
@@ -125,7 +131,7 @@ class Exercise:
 
     def selects(self, nodeid: str, graded_by: str = "both") -> bool:
         """Is the pytest item ``nodeid`` one of this exercise's own tests (parametrized ids included)?"""
-        return any(nodeid == t or nodeid.startswith((t + "[", t + "::")) for t in self.own_tests(graded_by))
+        return any(_names(nodeid, t) for t in self.own_tests(graded_by))
 
 
 def load_exercises(exercises_dir: Path = EXERCISES_DIR) -> list[Exercise]:
@@ -385,6 +391,12 @@ def pytest_addoption(parser):
         help="leave out the tests marked slow that are no exercise's own (grade.py's quicker run)",
     )
     group.addoption(
+        "--only-tests",
+        default=None,
+        metavar="FILE",
+        help="run only the tests FILE names, one node id (or a test's id, for all its cases) a line",
+    )
+    group.addoption(
         "--grade-report",
         default=None,
         metavar="FILE",
@@ -479,6 +491,13 @@ class ExercisePlugin:
         return f"vfs exercises: {self.impl} implementation from {where}{only}"
 
     def pytest_collection_modifyitems(self, config, items):
+        only = config.getoption("--only-tests")
+        if only:
+            wanted = tuple(line.strip() for line in Path(only).read_text().splitlines() if line.strip())
+            chosen = [i for i in items if any(_names(i.nodeid, w) for w in wanted)]
+            if len(chosen) < len(items):
+                config.hook.pytest_deselected(items=[i for i in items if i not in chosen])
+                items[:] = chosen
         if config.getoption("--skip-slow-unlisted"):
             listed = [i for i in items if "slow" not in i.keywords or self.owners(i.nodeid)]
             if len(listed) < len(items):

@@ -14,11 +14,12 @@ each of those exercises alone, so it is charged to the ones it fails with.
 
 An exercise's mark is the fraction of its tests that pass: its *own* tests (hand-written, and
 differential: drawn inputs compared with the book's function), and the chapter's other tests
-that call its code (``chapter tests``). Every chapter test not marked slow runs (``--slow``: those
-too); a test that fails while calling none of the student's code fails with the book's code too
-and is reported as such. ``--exercise`` grades only those exercises' own tests, with them alone
-in place: the quick check while working. "not attempted" means every own test failed with the
-stub's own ``NotImplementedError``.
+that call its code. Which chapter tests run: the quick ones that call some exercise, as
+trace_calls.py's map of the chapter says (a minute or two a chapter); ``--all-chapter-tests``
+every one not marked slow (``--slow``: those too). A test that fails while calling none of the
+student's code fails with the book's code too, and is reported as such. ``--exercise`` grades
+only those exercises' own tests, with them alone in place: the check in seconds while working.
+"not attempted" means every own test failed with the stub's own ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import exercise_plugin as ep
+import trace_calls
+
+CHAPTER_TESTS = ("none", "quick", "all")
 
 
 @dataclass
@@ -83,31 +87,44 @@ def run_tests(
     impl: str,
     exercises_dir: Path | None,
     timeout: float = 3600,
-    chapter_tests: bool = False,
+    chapter_tests: str = "none",
     slow: bool = False,
     graded_by: str = "both",
     draw: str | None = None,
 ) -> list[dict]:
     """Run the tests of ``exercises`` in one fresh pytest process; the plugin's report entries.
 
-    Without ``chapter_tests``: their own tests (``graded_by``: hand-written, differential or
-    both), each with its exercise alone in place. With it: every test of their chapters (those
-    marked slow only with ``slow``), with all the chapter's exercises in place and failures charged.
+    ``chapter_tests`` "none": their own tests (``graded_by``: hand-written, differential or both),
+    each with its exercise alone in place. "quick": their own tests and the quick chapter tests
+    that call an exercise (trace_calls.py's maps), "all": every test of their chapters (those
+    marked slow only with ``slow``); both with all the chapter's exercises in place and failures
+    charged.
     """
-    if chapter_tests:
-        paths = list(dict.fromkeys(ex.chapter + "/" for ex in exercises))
-        only = [] if slow else ["--skip-slow-unlisted"]
-        swap = "all"
-    else:
+    if chapter_tests not in CHAPTER_TESTS:
+        raise ValueError(f"chapter_tests must be one of {CHAPTER_TESTS}, got {chapter_tests!r}")
+    chapters = list(dict.fromkeys(ex.chapter for ex in exercises))
+    selection: list[str] = []
+    if chapter_tests == "none":
         # Test files plus --exercise (which deselects every other test), not node ids: pytest
         # gives up on the whole run when one named node cannot be collected.
         paths = list(dict.fromkeys(t.split("::")[0] for ex in exercises for t in ex.own_tests(graded_by)))
         only = ["--exercise=" + ",".join(ex.id for ex in exercises), f"--graded-by={graded_by}"]
         swap = "own"
+    else:
+        paths = [chapter + "/" for chapter in chapters]
+        only = [] if slow else ["--skip-slow-unlisted"]
+        swap = "all"
+        if chapter_tests == "quick":
+            everyone = [ex for ex in ep.load_exercises() if ex.chapter in chapters]
+            selection = [t for ex in everyone for t in ex.own_tests()]
+            selection += [t for chapter in chapters for t in trace_calls.quick_tests(chapter)]
     if not paths:
         return []
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.jsonl"
+        if selection:
+            (Path(tmp) / "tests.txt").write_text("\n".join(selection) + "\n")
+            only.append(f"--only-tests={Path(tmp) / 'tests.txt'}")
         cmd = [
             sys.executable,
             "-m",
@@ -179,13 +196,14 @@ def grade_all(
     exercises_dir: Path | None = None,
     chapters: list[str] | None = None,
     ids: list[str] | None = None,
-    chapter_tests: bool = True,
+    chapter_tests: str = "quick",
     slow: bool = False,
     graded_by: str = "both",
     draw: str | None = None,
 ) -> tuple[list[ExerciseScore], list[OtherTests]]:
     """Marks of every exercise of ``chapters`` (all chapters with a registry by default; only
-    ``ids`` if given) and, with ``chapter_tests``, the results of their chapters' other tests."""
+    ``ids`` if given) and, unless ``chapter_tests`` is "none", the results of the chapter tests
+    that ran besides the exercises' own (see :func:`run_tests`)."""
     exercises = [
         ex for ex in ep.load_exercises() if (not chapters or ex.chapter in chapters) and (not ids or ex.id in ids)
     ]
@@ -195,7 +213,7 @@ def grade_all(
     entries = run_tests(
         exercises, impl, exercises_dir, chapter_tests=chapter_tests, slow=slow, graded_by=graded_by, draw=draw
     )
-    return score(exercises, entries), others(exercises, entries) if chapter_tests else []
+    return score(exercises, entries), others(exercises, entries) if chapter_tests != "none" else []
 
 
 def grade(
@@ -208,7 +226,7 @@ def grade(
 ) -> list[ExerciseScore]:
     """Marks of the exercises on their own tests alone, each alone in place: what ``grade_all``
     gives without the chapter tests, faster."""
-    return grade_all(impl, exercises_dir, chapters, ids, chapter_tests=False, graded_by=graded_by, draw=draw)[0]
+    return grade_all(impl, exercises_dir, chapters, ids, chapter_tests="none", graded_by=graded_by, draw=draw)[0]
 
 
 def _note(s: ExerciseScore) -> str:
@@ -237,12 +255,18 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--exercise-tests-only",
         action="store_true",
-        help="only every exercise's own tests, not the chapters' other tests: a quicker run",
+        help="only every exercise's own tests, each exercise alone in place: a quicker run",
+    )
+    parser.add_argument(
+        "--all-chapter-tests",
+        action="store_true",
+        help="every chapter test not marked slow, not only the quick ones that call an exercise "
+        "(chapter 07's engine-level tests: ten minutes and more)",
     )
     parser.add_argument(
         "--slow",
         action="store_true",
-        help="also run the chapter tests marked slow (the demos, chapter 07's end-to-end runs: many minutes)",
+        help="with --all-chapter-tests, also the tests marked slow (the demos, chapter 07's end-to-end runs)",
     )
     parser.add_argument("--json", type=Path, help="also write the marks, test by test, as JSON")
     args = parser.parse_args(argv)
@@ -252,7 +276,11 @@ def main(argv=None) -> int:
         args.exercises_dir.resolve() if args.exercises_dir else None,
         args.chapter,
         args.exercise,
-        chapter_tests=not (args.exercise_tests_only or args.exercise),
+        chapter_tests="none"
+        if args.exercise_tests_only or args.exercise
+        else "all"
+        if args.all_chapter_tests
+        else "quick",
         slow=args.slow,
     )
     print(f"{'exercise':<9} {'target':<62} {'own':>7} {'chapter':>8} {'mark':>5}  note")
@@ -264,9 +292,10 @@ def main(argv=None) -> int:
                 print(f"    failed: {r.nodeid}")
     full = sum(s.full for s in scores)
     print(f"\n{full}/{len(scores)} exercises complete ({time.perf_counter() - start:.0f} s)")
-    slow_note = "" if args.slow else " (those marked slow not run: --slow)"
+    which = "all" if args.all_chapter_tests else "the quick ones that call an exercise"
+    slow_note = " (those marked slow too)" if args.slow else ""
     for o in other:
-        print(f"{o.chapter}: the chapter's other tests: {o.passed} passed, {o.failed} failed" + slow_note)
+        print(f"{o.chapter}: the chapter's other tests ({which}{slow_note}): {o.passed} passed, {o.failed} failed")
         for r in o.tests:
             if r.outcome == "failed":
                 charged = o.charged.get(r.nodeid)

@@ -66,8 +66,9 @@ def test_untouched_stub_raises_its_own_message(ex):
 
 @pytest.mark.parametrize("ex", ALL, ids=lambda ex: ex.id)
 def test_listed_tests_exist(ex):
-    assert ex.tests, f"exercise {ex.id} lists no test"
-    for nodeid in ex.tests:
+    assert ex.tests, f"exercise {ex.id} lists no hand-written test"
+    assert ex.differential, f"exercise {ex.id} lists no differential test (drawn inputs against the book's function)"
+    for nodeid in ex.own_tests():
         path, *names = nodeid.split("::")
         assert path.startswith(ex.chapter + "/"), f"{nodeid}: an exercise is graded by its chapter's tests"
         file = ROOT / path
@@ -107,7 +108,7 @@ def test_swap_is_undone():
 def test_untouched_stubs_fail_with_their_message():
     bad = []
     for s in grade.grade("student"):
-        listed = next(ex for ex in ALL if ex.id == s.id).tests
+        listed = next(ex for ex in ALL if ex.id == s.id).own_tests()
         if s.total < len(listed):
             bad.append(f"{s.id}: only {s.total} of its {len(listed)} tests ran")
         for r in s.tests:

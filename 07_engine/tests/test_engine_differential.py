@@ -74,8 +74,7 @@ def test_apply_top_k_top_p(differential):
         logits = _logits(rng, rows, vocab)
         top_ks, top_ps = _top_ks_and_ps(rng, rows, vocab)
         differential.agree(
-            f"apply_top_k_top_p(logits {logits.tolist()}, top_ks={_listed(top_ks)}, "
-            f"top_ps={_listed(top_ps)})",
+            f"apply_top_k_top_p(logits {logits.tolist()}, top_ks={_listed(top_ks)}, top_ps={_listed(top_ps)})",
             differential.call(apply_top_k_top_p, logits.clone(), top_ks, top_ps),
             differential.call(book_fn, logits.clone(), top_ks, top_ps),
             meaning="a token stays when its rank is below top_k and the tokens ranked before it (softmax over what "

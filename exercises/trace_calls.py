@@ -1,0 +1,114 @@
+"""Which exercises each chapter test calls, and how long it takes: the map grade.py picks tests by.
+
+Runs a chapter's tests (those not marked slow) with the book's own code, every exercise's function
+wrapped to note its calls (exercise_plugin.py's ``--grade-report``), and writes
+``exercises/<chapter>/chapter_tests.json``: for every test, the exercises whose code it calls and
+its duration on this machine. grade.py then runs, besides each exercise's own tests, the chapter
+tests that call some exercise and are quick (:data:`QUICK_S`), so a chapter grades in a minute or
+two; ``grade.py --all-chapter-tests`` runs every one.
+
+    python exercises/trace_calls.py                       # every chapter (chapter 07: ~15 minutes)
+    python exercises/trace_calls.py --chapter 04_scheduler
+    python exercises/trace_calls.py --check               # which tests the maps do not know yet
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import exercise_plugin as ep
+
+MAP_NAME = "chapter_tests.json"
+# A chapter test runs in the default grade when it took at most this long when traced: the
+# engine-level tests of chapter 07 (seconds to a minute each) run with --all-chapter-tests.
+QUICK_S = 1.0
+
+
+def map_path(chapter: str) -> Path:
+    return ep.EXERCISES_DIR / chapter / MAP_NAME
+
+
+def load_map(chapter: str) -> dict[str, dict]:
+    """``{nodeid: {"calls": [exercise ids], "seconds": s}}`` of ``chapter`` (empty if not traced)."""
+    path = map_path(chapter)
+    return json.loads(path.read_text())["tests"] if path.exists() else {}
+
+
+def quick_tests(chapter: str) -> list[str]:
+    """The chapter's traced tests that call some exercise and took at most :data:`QUICK_S`."""
+    return [n for n, t in load_map(chapter).items() if t["calls"] and t["seconds"] <= QUICK_S]
+
+
+def machine() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def trace(chapter: str, timeout: float = 3600) -> dict[str, dict]:
+    """Run ``chapter``'s tests (not the slow ones) with the book's code and note every test's calls."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.jsonl"
+        cmd = [sys.executable, "-m", "pytest", f"{chapter}/", "-m", "not slow", "--impl=reference",
+               f"--grade-report={report}", "-q", "-p", "no:cacheprovider"]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ep.ROOT, capture_output=True, text=True, timeout=timeout)
+        if not report.exists():
+            raise RuntimeError(f"pytest wrote no report:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        entries = [json.loads(line) for line in report.read_text().splitlines() if line.strip()]
+    failed = [e["nodeid"] for e in entries if e["outcome"] == "failed"]
+    if failed:
+        raise RuntimeError(f"{chapter}: the book's own code fails {failed}: fix that before tracing")
+    return {e["nodeid"]: {"calls": e["called"], "seconds": e["duration"]} for e in entries if e["outcome"] == "passed"}
+
+
+def write(chapter: str, tests: dict[str, dict]) -> Path:
+    path = map_path(chapter)
+    header = {
+        "about": "written by exercises/trace_calls.py: the exercises each test calls, and its seconds on the machine",
+        "machine": f"{machine()}, {len(os.sched_getaffinity(0))} cores",
+        "tests": dict(sorted(tests.items())),
+    }
+    path.write_text(json.dumps(header, indent=1) + "\n")
+    return path
+
+
+def collected(chapter: str) -> set[str]:
+    """Node ids of ``chapter``'s tests that are not marked slow, as pytest collects them now."""
+    cmd = [sys.executable, "-m", "pytest", f"{chapter}/", "-m", "not slow", "--collect-only", "-q",
+           "-p", "no:cacheprovider"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ep.ROOT, capture_output=True, text=True).stdout
+    return {line.strip() for line in out.splitlines() if "::" in line}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chapter", action="append", help="only this chapter (repeatable)")
+    parser.add_argument("--check", action="store_true", help="list the tests each map lacks or lists in vain")
+    args = parser.parse_args(argv)
+    chapters = args.chapter or sorted({ex.chapter for ex in ep.load_exercises()})
+    stale = 0
+    for chapter in chapters:
+        if args.check:
+            known, now = set(load_map(chapter)), collected(chapter)
+            for nodeid in sorted(now - known):
+                print(f"not traced yet: {nodeid}")
+            for nodeid in sorted(known - now):
+                print(f"traced but gone: {nodeid}")
+            stale += len(now ^ known)
+            continue
+        tests = trace(chapter)
+        quick = sum(1 for t in tests.values() if t["calls"] and t["seconds"] <= QUICK_S)
+        print(f"{write(chapter, tests).relative_to(ep.ROOT)}: {len(tests)} tests, {quick} quick ones call an exercise")
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
