@@ -99,8 +99,8 @@ def first_difference(yours: object, book: object, atol: float = 0.0, rtol: float
             return None
         index = tuple(int(i) for i in (~close).nonzero()[0])
         return (
-            f"{where}{list(index)}: yours {describe(yours[index].item())}, the book's {describe(book[index].item())}"
-            f" (of {int((~close).sum())} differing entries)"
+            f"{where} at {list(index)}: yours {describe(yours[index].item())}, the book's "
+            f"{describe(book[index].item())} ({int((~close).sum())} of {close.numel()} entries differ)"
         )
     if isinstance(book, Mapping):
         if not isinstance(yours, Mapping):

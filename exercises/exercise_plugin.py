@@ -225,15 +225,22 @@ def signature_key(fn) -> list[tuple]:
     return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
 
+_IS_BOOK_MODULE: dict[tuple[str, str | None], bool] = {}
+
+
 def _book_modules():
-    """Modules loaded from the repository's own files (chapters, tests), not from the venv."""
+    """Modules loaded from the repository's own files (chapters, tests), not from the venv.
+
+    Whether a module is one is decided once per (name, file): resolving the path of each of the
+    thousands of modules torch and transformers load, at every swap, cost a second per test."""
     venv = ROOT / ".venv"
-    for mod in list(sys.modules.values()):
-        f = getattr(mod, "__file__", None)
-        if not f:
-            continue
-        p = Path(f).resolve()
-        if ROOT in p.parents and venv not in p.parents:
+    for name, mod in list(sys.modules.items()):
+        key = (name, getattr(mod, "__file__", None))
+        known = _IS_BOOK_MODULE.get(key)
+        if known is None:
+            path = Path(key[1]).resolve() if key[1] else None
+            known = _IS_BOOK_MODULE[key] = path is not None and ROOT in path.parents and venv not in path.parents
+        if known:
             yield mod
 
 

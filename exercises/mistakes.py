@@ -186,8 +186,9 @@ def main(argv=None) -> int:
         alone = check(args.chapter, graded_by="differential", draw=other)
         hits = sum(s.total > 0 and s.passed < s.total for _, s in alone)
         print(_figure(f"differential tests alone ({other} draws)", hits, len(alone)))
+        first = {m.path: caught_by(m, s)["differential"] for m, s in results}
         for m, s in alone:
-            if (s.passed < s.total) != caught_by(m, dict(results)[m])["differential"]:
+            if (s.passed < s.total) != first[m.path]:
                 print(f"  {'only' if s.passed < s.total else 'not'} with {other} draws: {m.name}")
     print(f"\n{missed} mistake(s) scored full marks")
     return 1 if missed else 0
