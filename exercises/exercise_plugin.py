@@ -39,7 +39,9 @@ the book's code: they outlive the swap of the test that happens to build them fi
 tests (``--graded-by differential`` or ``handwritten``: only those of one kind). ``--exercises-dir
 DIR`` (or ``VLLM_FS_EXERCISES_DIR``) reads the stubs from a copy of ``exercises/``, e.g. one
 student's submission, so a grader never touches the working tree. ``--grade-report FILE`` writes
-one JSON line per test: its outcome, the exercises it swapped and called, and its verdict for each.
+one JSON line per test: its outcome, the exercises it swapped and called, and its verdict for each
+(with the book's code, ``--impl=reference``, the calls alone: trace_calls.py's map). ``--only-tests
+FILE`` runs only the tests FILE names, one a line (grade.py's selection).
 
 The root ``conftest.py`` forwards pytest's hooks here; this file is loaded by path (the
 ``exercises`` folder is not on ``sys.path``), under the module name ``vfs_exercise_plugin``.
@@ -53,6 +55,7 @@ import importlib.util
 import inspect
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -82,6 +85,16 @@ def _load_sibling(stem: str):
 
 
 harness = _load_sibling("differential")
+
+
+def grading_env() -> dict[str, str]:
+    """The environment of the pytest runs grade.py and trace_calls.py start.
+
+    A grading run shares its cores (other submissions, other jobs): OpenMP threads that spin while
+    they wait for work take them from everyone. Waiting passively, chapter 07 graded in 49 s beside
+    three busy processes on 2 cores, where spinning took 179 s.
+    """
+    return {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 
 
 def _names(nodeid: str, test: str) -> bool:
@@ -410,6 +423,13 @@ def pytest_addoption(parser):
         help="write one JSON line per test: outcome, exercises swapped and called, verdict per exercise",
     )
     group.addoption(
+        "--test-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --impl=student, fail a test run that takes longer (grade.py's guard against code that hangs)",
+    )
+    group.addoption(
         "--draw",
         choices=harness.DRAWS,
         default=None,
@@ -451,12 +471,14 @@ class ExercisePlugin:
         graded_by: str = "both",
         report: Path | None = None,
         draw: str = harness.DEFAULT_DRAW,
+        test_timeout: float | None = None,
     ):
         self.impl = impl
         self.exercises_dir = exercises_dir
         self.swap_policy = swap
         self.graded_by = graded_by
         self.draw = draw
+        self.test_timeout = test_timeout if impl == "student" else None
         self.exercises = load_exercises(EXERCISES_DIR)
         known = {e.id for e in self.exercises}
         unknown = sorted(set(selected) - known)
@@ -548,9 +570,21 @@ class ExercisePlugin:
         called: set[str] = set()
         start = time.perf_counter()
         self._swap = self._install(item, swapped, recorded, called)
+        limit = self.test_timeout if hasattr(signal, "setitimer") else None
+        if limit:
+            # A student's code can leave a server waiting on an answer that never comes: the run
+            # fails after ``limit`` seconds instead of holding up the whole grade.
+            def expire(signum, frame):
+                pytest.fail(f"ran past {limit:g} s with {[e.id for e in swapped]} in place", pytrace=False)
+
+            previous = signal.signal(signal.SIGALRM, expire)
+            signal.setitimer(signal.ITIMER_REAL, limit)
         try:
             reports = runtestprotocol(item, log=log, nextitem=nextitem)
         finally:
+            if limit:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
             self._swap.undo()
             self._swap = None
         outcome, message = _summarize(reports)
@@ -676,6 +710,7 @@ def pytest_configure(config):
             graded_by=config.getoption("--graded-by"),
             report=Path(report) if report else None,
             draw=draw,
+            test_timeout=config.getoption("--test-timeout"),
         ),
         "vfs-exercises",
     )

@@ -13,6 +13,7 @@ from exercise_scripts import load_script
 
 ep = load_script("exercise_plugin")
 load_script("make_stubs")
+load_script("trace_calls")  # before grade, which imports it
 load_script("grade")
 mistakes = load_script("mistakes")
 hints = load_script("hints")

@@ -19,6 +19,7 @@ EXERCISES = ROOT / "exercises"
 
 ep = load_script("exercise_plugin")
 load_script("make_stubs")
+load_script("trace_calls")  # before grade, which imports it
 load_script("grade")
 mistakes = load_script("mistakes")
 

@@ -26,6 +26,7 @@ EXERCISES = ROOT / "exercises"
 
 
 ep = load_script("exercise_plugin")
+trace_calls = load_script("trace_calls")  # before grade, which imports it
 grade = load_script("grade")
 make_stubs = load_script("make_stubs")
 
@@ -78,6 +79,15 @@ def test_listed_tests_exist(ex):
             found = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name]
             assert found, f"exercise {ex.id}: {path} defines no {name}"
             scope = found[0].body
+
+
+def test_chapter_test_maps_know_every_test():
+    """grade.py picks the chapter tests it runs from trace_calls.py's maps: a test they do not know
+    would never run in a grade, so a changed test file needs ``trace_calls.py --chapter`` again."""
+    stale = trace_calls.stale(sorted({ex.chapter for ex in ALL}))
+    assert not stale, "exercises/<chapter>/chapter_tests.json is stale: run exercises/trace_calls.py --chapter ...\n" + (
+        "\n".join(stale)
+    )
 
 
 def test_registry_rejects_a_test_graded_twice(tmp_path):
