@@ -27,12 +27,16 @@ from vllm_from_scratch.layers.attention import Attention, AttentionMetadata
 from vllm_from_scratch.layers.prepacked import prepack_model
 from vllm_from_scratch.loader import get_model
 from vllm_from_scratch.sampler import (
+    NO_TOKEN,
     LogprobsLists,
+    ProcessorEntries,
     Sampler,
     SamplingTensors,
     apply_logits_processors,
     exponential_noise,
     gather_logprobs,
+    keep_in_vocabulary,
+    resolve_infinite_logits,
 )
 from vllm_from_scratch.sampling_params import SamplingParams
 
@@ -107,6 +111,9 @@ class ModelRunner:
         for attn in self.attn_layers:
             attn.backend = config.attention_backend
         self.sampler = Sampler()
+        # Each live request's logit_bias and min_tokens entries as tensors, built when it first
+        # samples and dropped once the scheduler reports it finished (rank 0 samples).
+        self.processor_entries: dict[str, ProcessorEntries] = {}
         # The last step's log-probabilities, for the engine (take_logprobs).
         self.sample_logprobs: dict[str, LogprobsLists] = {}
         self.prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = {}
@@ -323,8 +330,10 @@ class ModelRunner:
         """Run one scheduled step: ``{request_id: tokens}`` for every request that samples.
 
         ``tokens`` is one sampled token, or, after ``k`` drafts, the accepted drafts followed by
-        one recovered or bonus token. Ranks other than 0 return ``{}``. The log-probabilities
-        that requests asked for wait in :meth:`take_logprobs` until the next step.
+        one recovered or bonus token; ``[NO_TOKEN]`` for a request whose distribution had no token
+        to draw (:func:`sampler.resolve_infinite_logits`), and every id is checked against the
+        vocabulary (:func:`sampler.keep_in_vocabulary`). Ranks other than 0 return ``{}``. The
+        log-probabilities that requests asked for wait in :meth:`take_logprobs` until the next step.
         """
         self.sample_logprobs, self.prompt_logprobs = {}, {}
         info = SchedulerInfo.from_scheduler_output(scheduler_output)
@@ -339,8 +348,14 @@ class ModelRunner:
         if logits is None or logits.shape[0] == 0:
             return {}
         sampling_requests = [r for r, n in zip(scheduler_output.scheduled_requests, info.num_sample_rows) if n]
+        for rid in scheduler_output.finished_request_ids:
+            self.processor_entries.pop(rid, None)
         sampling = SamplingTensors.from_requests(
-            scheduler_output.scheduled_requests, info.num_sample_rows, logits.shape[-1], logits.device
+            scheduler_output.scheduled_requests,
+            info.num_sample_rows,
+            logits.shape[-1],
+            logits.device,
+            self.processor_entries,
         )
         # vLLM V1 returns the raw distribution's logprobs: taken before the processors.
         num_logprobs = [_params(r).logprobs for r in sampling_requests]
@@ -348,10 +363,13 @@ class ModelRunner:
         raw_logprobs = logits[want].log_softmax(dim=-1) if want else None
         logits = apply_logits_processors(logits, sampling)
         if any(info.num_spec):
-            return self.verify_drafts(logits, sampling, info)
+            return self._verify_drafts_checked(logits, sampling, info)
         sampled = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps, sampling.generators)
+        sampled = keep_in_vocabulary(sampled, self.config.vocab_size)
         if raw_logprobs is not None:
-            lists = gather_logprobs(raw_logprobs, sampled[want], [num_logprobs[i] or 0 for i in want])
+            # A NO_TOKEN row's request ends in error: its logprobs are scored at id 0 and dropped.
+            scored = sampled[want].clamp(min=0)
+            lists = gather_logprobs(raw_logprobs, scored, [num_logprobs[i] or 0 for i in want])
             for j, i in enumerate(want):
                 self.sample_logprobs[sampling.request_ids[i]] = LogprobsLists(
                     lists.token_ids[j : j + 1], lists.logprobs[j : j + 1], lists.ranks[j : j + 1]
@@ -431,6 +449,21 @@ class ModelRunner:
             dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=self.tp_group)
             loaded = dict(zip(loaded, counts.tolist()))
         return {rid: n * self.block_size for rid, n in loaded.items()}
+
+    def _verify_drafts_checked(
+        self, logits: torch.Tensor, sampling: SamplingTensors, info: SchedulerInfo
+    ) -> dict[str, list[int]]:
+        """:meth:`verify_drafts` on logits whose ``+inf`` rows are resolved; a request with a row
+        that has no token to draw, or an emitted id outside the vocabulary, gets ``[NO_TOKEN]``."""
+        logits, has_token = resolve_infinite_logits(logits)
+        rows_per_request = [n for n in info.num_sample_rows if n]
+        drawable = [bool(rows.all()) for rows in has_token.split(rows_per_request)]
+        verified = self.verify_drafts(logits, sampling, info)
+        vocab = self.config.vocab_size
+        return {
+            rid: tokens if ok and all(0 <= t < vocab for t in tokens) else [NO_TOKEN]
+            for (rid, tokens), ok in zip(verified.items(), drawable)
+        }
 
     def verify_drafts(
         self, logits: torch.Tensor, sampling: SamplingTensors, info: SchedulerInfo
