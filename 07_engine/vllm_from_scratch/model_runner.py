@@ -362,7 +362,9 @@ class ModelRunner:
         want = [i for i, k in enumerate(num_logprobs) if k is not None]
         raw_logprobs = logits[want].log_softmax(dim=-1) if want else None
         logits = apply_logits_processors(logits, sampling)
-        if any(info.num_spec):
+        if self.config.speculative is not None:
+            # Every step of a speculating engine, drafts or none: a seeded request's generator is
+            # then consumed the same way whether or not the rest of its batch drafted this step.
             return self._verify_drafts_checked(logits, sampling, info)
         sampled = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps, sampling.generators)
         sampled = keep_in_vocabulary(sampled, self.config.vocab_size)
