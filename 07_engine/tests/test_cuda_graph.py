@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from block_manager import BlockManager
 from chunked_prefill import SchedulerInfo, build_batch_inputs
@@ -197,6 +198,48 @@ def _graph_equals_eager(model_dir: str, device: str, num_seqs: int) -> None:
     torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
     # The replay wrote the same new K/V into the same slots, and the padded rows wrote nothing.
     torch.testing.assert_close(runner.kv_cache, kv_eager, rtol=1e-4, atol=1e-4)
+
+
+class HostReads(TorchDispatchMode):
+    """Records every op that reads a value back to the host (``.item()``, ``.tolist()``, ``int()``)
+    or makes a shape from data (``nonzero``): inside a CUDA graph capture each one fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default or func.name().startswith("aten::nonzero"):
+            self.ops.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_captured_forward_reads_nothing_back_from_the_device(request, arch, backend):
+    """What capture_cudagraph records must never sync with the host: checked on the CPU on the
+    exact closure a graph captures, with the GPU's attention (Triton, interpreted here) and the
+    CPU's."""
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    config = EngineConfig(
+        model_dir,
+        device="cpu",
+        dtype="float32",
+        kvcache_block_size=BLOCK,
+        num_kvcache_blocks=32,
+        max_num_seqs=4,
+        max_model_len=64,
+        attention_backend=backend,
+    )
+    runner = ModelRunner(config, gpu=cpu_gpu_platform(StandInMemory(total=0, free=0, allocated=0, peaks=[])))
+    assert runner.graph_runner is not None
+    with HostReads() as reads, torch.inference_mode():
+        for bs in runner.graph_runner.batch_sizes:
+            runner.graph_runner._forward_into_buffers(bs)
+    assert reads.ops == []
+    with HostReads() as reads:
+        runner.kv_cache.sum().item()
+    assert reads.ops == ["aten::_local_scalar_dense"]  # the check sees a read when there is one
 
 
 @pytest.mark.parametrize("num_seqs", [5, 9])
