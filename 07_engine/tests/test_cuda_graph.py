@@ -143,17 +143,16 @@ def test_can_run_only_pure_decode_batches_that_fit():
 # ---- the real model: graph replay equals the eager forward ----------------------------------
 
 
-def _runner_with_graphs(model_dir: str, device: str) -> ModelRunner:
+def _runner_with_graphs(model_dir: str, device: str, **overrides) -> ModelRunner:
     """A runner that captured decode graphs: CUDA's on a GPU, the eager stand-ins on the CPU."""
-    config = EngineConfig(
-        model_dir=model_dir,
-        device=device,
+    settings = dict(
         dtype="float32",
         kvcache_block_size=BLOCK,
         num_kvcache_blocks=64,
         max_num_seqs=10,
         max_model_len=128,
     )
+    config = EngineConfig(model_dir=model_dir, device=device, **(settings | overrides))
     if device == "cuda":
         return ModelRunner(config)
     memory = StandInMemory(total=0, free=0, allocated=0, peaks=[])
@@ -220,18 +219,7 @@ def test_the_captured_forward_reads_nothing_back_from_the_device(request, arch, 
     """What capture_cudagraph records must never sync with the host: checked on the CPU on the
     exact closure a graph captures, with the GPU's attention (Triton, interpreted here) and the
     CPU's."""
-    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
-    config = EngineConfig(
-        model_dir,
-        device="cpu",
-        dtype="float32",
-        kvcache_block_size=BLOCK,
-        num_kvcache_blocks=32,
-        max_num_seqs=4,
-        max_model_len=64,
-        attention_backend=backend,
-    )
-    runner = ModelRunner(config, gpu=cpu_gpu_platform(StandInMemory(total=0, free=0, allocated=0, peaks=[])))
+    runner = _runner_with_graphs(request.getfixturevalue(f"tiny_{arch}_dir"), "cpu", attention_backend=backend)
     assert runner.graph_runner is not None
     with HostReads() as reads, torch.inference_mode():
         for bs in runner.graph_runner.batch_sizes:
