@@ -8,6 +8,7 @@ rejection sampler (07_engine/README.md, "Model runner").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,68 @@ def kv_cache_budget(total: int, free: int, activation_peak: int, utilization: fl
     return max(int(total * utilization) - (total - free) - activation_peak - graph_pool, 0)
 
 
+class MemoryProbes(Protocol):
+    """The allocator statistics the KV cache is sized from on a GPU (``torch.cuda``'s, read by
+    :class:`CudaMemoryProbes`). Anything with these methods will do: the CPU tests pass a stand-in
+    with chosen numbers, so that the sizing runs in CI through the runner's own constructor."""
+
+    def synchronize(self) -> None: ...
+
+    def empty_cache(self) -> None: ...
+
+    def reset_peak_memory_stats(self) -> None: ...
+
+    def memory_allocated(self) -> int: ...
+
+    def max_memory_allocated(self) -> int: ...
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of the card."""
+        ...
+
+
+class CudaMemoryProbes:
+    """:class:`MemoryProbes` of one CUDA device, read from ``torch.cuda``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def max_memory_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(self.device)
+
+
+@dataclass(frozen=True)
+class GPUPlatform:
+    """What a runner does on a GPU beyond placing its tensors there: it sizes the KV cache from
+    the allocator's measurements (``memory``) and, unless ``enforce_eager``, replays decode steps
+    from captured graphs (``cuda_graphs``; False captures stand-ins that replay eagerly,
+    ``cuda_graph.py``). :meth:`for_device` gives the CUDA one; a CPU runner given a stand-in takes
+    every GPU branch whose logic is not CUDA itself, which is how CI runs them."""
+
+    memory: MemoryProbes
+    cuda_graphs: bool = True
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> GPUPlatform | None:
+        """The platform of ``device``: CUDA's probes and graphs, None on a CPU."""
+        return cls(CudaMemoryProbes(device)) if device.type == "cuda" else None
+
+
 def _params(req: Request) -> SamplingParams:
     """The engine schedules its own requests (``EngineRequest``), which carry sampling settings."""
     return req.sampling_params  # type: ignore[attr-defined]
@@ -88,13 +151,25 @@ class PromptRows:
 
 class ModelRunner:
     """Owns the model weights, the KV cache and the sampler of one (tensor-parallel) rank:
-    ``tp_rank`` in ``tp_group`` when ``config.tensor_parallel_size > 1``."""
+    ``tp_rank`` in ``tp_group`` when ``config.tensor_parallel_size > 1``.
 
-    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_group: dist.ProcessGroup | None = None):
+    ``gpu`` is the :class:`GPUPlatform` (default: the device's own, None on a CPU): with one, the
+    KV cache is sized by profiling the largest steps and decode steps replay captured graphs;
+    without, the cache is ``cpu_kvcache_space_gib`` and the forward is compiled by inductor.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tp_rank: int = 0,
+        tp_group: dist.ProcessGroup | None = None,
+        gpu: GPUPlatform | None = None,
+    ):
         self.config = config
         self.device = config.torch_device
         if self.device.type == "cuda" and config.tensor_parallel_size > 1:
             self.device = torch.device("cuda", tp_rank)  # rank r owns GPU r, whatever "cuda:N" said
+        self.gpu = gpu if gpu is not None else GPUPlatform.for_device(self.device)
         self.block_size = config.kvcache_block_size
         self.tp_group = tp_group
         self.model = get_model(
@@ -121,19 +196,22 @@ class ModelRunner:
         self.rejection_sampler = (
             rejection_sample_triton if self.device.type == "cuda" and HAS_TRITON else rejection_sample
         )
+        # Sizing the cache on a GPU runs the largest steps through _forward, eagerly: the graphs
+        # and the compiled forward are made after it, for the cache it sizes.
+        self.graph_runner: CUDAGraphRunner | None = None
+        self.compiled_forward: CompiledForward | None = None
         self.kv_cache: torch.Tensor  # [2, layers, blocks, block_size, kv_heads, head_dim], set by the next line
-        self.memory_profile: dict[str, int] = {}  # what profile_gpu_memory measured (CUDA, no num_kvcache_blocks)
+        self.memory_profile: dict[str, int] = {}  # what profile_gpu_memory measured (GPU, no num_kvcache_blocks)
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.kv_worker = KVConnectorWorker(config, tp_rank, self.kv_cache) if config.kv_transfer else None
-        self.graph_runner = (
-            self.capture_cudagraph() if self.device.type == "cuda" and not config.enforce_eager else None
-        )
-        self.compiled_forward = (
-            CompiledForward.load_or_compile(config, self.model, self.kv_cache) if config.compiles else None
-        )
+        if self.gpu is not None and not config.enforce_eager:
+            self.graph_runner = self.capture_cudagraph()
+        if self.gpu is None and config.compiles:
+            self.compiled_forward = CompiledForward.load_or_compile(config, self.model, self.kv_cache)
 
     def capture_cudagraph(self) -> CUDAGraphRunner:
         """Capture decode CUDA graphs (``cuda_graph.py``); every rank captures its own."""
+        assert self.gpu is not None, "decode graphs are a GPU platform's"
         cfg = self.config
         runner = CUDAGraphRunner(
             self.model,
@@ -143,6 +221,7 @@ class ModelRunner:
             cfg.hf_config.hidden_size,
             cfg.torch_dtype,
             self.device,
+            use_cuda_graph=self.gpu.cuda_graphs,
         )
         runner.capture()
         return runner
@@ -155,7 +234,7 @@ class ModelRunner:
 
     def _num_blocks_from_memory(self) -> int:
         cfg = self.config
-        if self.device.type == "cuda":
+        if self.gpu is not None:
             budget = self.profile_gpu_memory()["kv_budget"]
         else:
             # A CPU has no allocator statistics to measure a step's peak against; like vLLM's
@@ -175,11 +254,18 @@ class ModelRunner:
         the token budget as prompts of up to ``max_model_len`` tokens, then the most rows a step
         can sample through the logits and the sampler with top-k and top-p (the sort over
         ``[rows, vocab]`` float32 is the largest transient), recording the allocator's peak above
-        the weights. When decode graphs will be captured, a decode forward at the largest
-        captured batch measures the graph pool too. Keeps and returns every number
+        the weights (``self.gpu.memory``). When decode graphs will be captured, a decode forward
+        at the largest captured batch measures the graph pool too. Keeps and returns every number
         (``memory_profile``); ``kv_budget`` is :func:`kv_cache_budget` of them.
+
+        The constructor calls it, before any graph exists: a captured graph holds the addresses
+        of the cache this frees.
         """
-        cfg = self.config
+        if self.gpu is None:
+            raise RuntimeError("profile_gpu_memory needs a GPUPlatform: a CPU's cache is cpu_kvcache_space_gib")
+        if self.graph_runner is not None or self.compiled_forward is not None:
+            raise RuntimeError("profile_gpu_memory runs before the decode graphs are captured (they hold the cache)")
+        memory, cfg = self.gpu.memory, self.config
         budget = cfg.max_num_batched_tokens
         longest = min(budget, cfg.max_model_len)
         prompts = [longest] * (budget // longest) + [budget % longest] * bool(budget % longest)
@@ -189,29 +275,29 @@ class ModelRunner:
         self._bind_kv_cache(
             allocate_kv_cache(layers, cdiv(longest, block_size), block_size, kv_heads, head_dim, dtype, self.device)
         )
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)  # weights + the scratch cache
+        memory.synchronize()
+        memory.empty_cache()
+        memory.reset_peak_memory_stats()
+        base = memory.memory_allocated()  # weights + the scratch cache
         self._dummy_forward(prompts, context=0, shared_blocks=True)
         logits = self._dummy_forward([1] * sample_rows, context=0, shared_blocks=True)
         if logits is not None:  # only rank 0 samples under tensor parallelism
             rows = torch.ones(sample_rows, device=self.device)
             self.sampler(logits, rows, torch.full_like(rows, 50, dtype=torch.long), rows * 0.9)
             del logits
-        torch.cuda.synchronize(self.device)
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - base
+        memory.synchronize()
+        activation_peak = memory.max_memory_allocated() - base
         graph_pool = 0
         if not cfg.enforce_eager:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            memory.reset_peak_memory_stats()
             self._dummy_forward([1] * min(cfg.max_num_seqs, MAX_CAPTURE_SIZE), 0, shared_blocks=True, logits=False)
-            torch.cuda.synchronize(self.device)
-            graph_pool = torch.cuda.max_memory_allocated(self.device) - base
+            memory.synchronize()
+            graph_pool = memory.max_memory_allocated() - base
         del self.kv_cache
         for attn in self.attn_layers:
-            attn.k_cache = attn.v_cache = torch.tensor([])
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
+            attn.k_cache = attn.v_cache = torch.empty(0, device=self.device)
+        memory.empty_cache()
+        free, total = memory.mem_get_info()
         self.memory_profile = {
             "total": total,
             "free": free,

@@ -124,7 +124,7 @@ def _long_tensor(ids: Sequence[int]) -> torch.Tensor:
     """A CPU int64 tensor of ``ids`` through an ``array`` buffer: ~10x faster than
     ``torch.tensor(list)`` for the thousands of ids a prompt has."""
     if not ids:
-        return torch.empty(0, dtype=torch.long)  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.long, device="cpu")  # frombuffer refuses an empty buffer
     return torch.frombuffer(array("q", ids), dtype=torch.long)
 
 
