@@ -29,3 +29,27 @@ except ImportError:
 # The values triton itself reads as true, so this never disagrees with how the kernels were built.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
 KERNEL_DEVICE = "cpu" if INTERPRETED else "cuda"
+
+
+def _index_loop_bounds_under_numpy_2_4() -> None:
+    """Let Triton's interpreter before 3.8 run a loop to a loaded bound under numpy >= 2.4.
+
+    A kernel's ``range(0, n, BLOCK)`` with ``n`` loaded from memory calls the interpreter's
+    ``__index__`` on a one-element array, which those versions convert with ``int(array)``; numpy
+    2.4 refuses that for arrays of one dimension ("only 0-dimensional arrays can be converted").
+    Triton 3.8 converts ``int(array.squeeze())``, which this does for the older interpreters too
+    (Triton 3.6 is what the lent GPU machines have, with numpy 2.5, for a CPU dry run there).
+    """
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_with_scalar_index(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_tensor_with_scalar_index
+
+
+if INTERPRETED and HAS_TRITON and tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 8):
+    _index_loop_bounds_under_numpy_2_4()

@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -53,6 +52,17 @@ inline Vec shuffle(Vec x, Vec y) {
 #endif
 }
 
+// std::bit_cast's meaning in C++17, which torch's extension builder compiles on some versions
+// (2.11); a memcpy of a register's bytes compiles to no copy at all.
+template <typename To, typename From>
+inline To bit_cast(const From& from) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast needs types of one size");
+  static_assert(std::is_trivially_copyable_v<To> && std::is_trivially_copyable_v<From>);
+  To to;
+  std::memcpy(&to, &from, sizeof(To));
+  return to;
+}
+
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
@@ -63,11 +73,11 @@ inline T from_float(float x) { return static_cast<T>(x); }
 // vectorizes (c10's do not always: its rounding stayed scalar in store_row's loop). Rounding is to
 // nearest even, as c10's.
 template <>
-inline float to_float<at::BFloat16>(at::BFloat16 x) { return std::bit_cast<float>(uint32_t{x.x} << 16); }
+inline float to_float<at::BFloat16>(at::BFloat16 x) { return bit_cast<float>(uint32_t{x.x} << 16); }
 
 template <>
 inline at::BFloat16 from_float<at::BFloat16>(float x) {
-  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  const uint32_t bits = bit_cast<uint32_t>(x);
   return at::BFloat16(static_cast<uint16_t>((bits + 0x7fff + (bits >> 16 & 1)) >> 16), at::BFloat16::from_bits());
 }
 
@@ -75,7 +85,7 @@ template <typename T>
 inline Vec load_vec(const T* p) {
   float f[kLanes];
   for (int l = 0; l < kLanes; ++l) f[l] = to_float(p[l]);
-  return std::bit_cast<Vec>(f);
+  return bit_cast<Vec>(f);
 }
 
 // A head vector in D / kLanes registers, its elements in any fixed order: q . k and p v only need
@@ -94,8 +104,8 @@ inline void load_row(const T* p, Vec (&row)[D / kLanes]) {
       if (c % 2) continue;
       Words w;
       std::memcpy(&w, p + c * kLanes, sizeof(w));
-      row[c] = std::bit_cast<Vec>(w << 16);
-      row[c + 1] = std::bit_cast<Vec>(w & 0xffff0000u);
+      row[c] = bit_cast<Vec>(w << 16);
+      row[c + 1] = bit_cast<Vec>(w & 0xffff0000u);
     } else {
       row[c] = load_vec(p + c * kLanes);
     }
@@ -117,7 +127,7 @@ inline void store_row(Vec (&row)[D / kLanes], float scale, T* p) {
       row[c + 1] = interleave<kLanes / 2>(even, odd, std::make_integer_sequence<int, kLanes>{});
     }
   }
-  const auto x = std::bit_cast<std::array<float, D>>(row);
+  const auto x = bit_cast<std::array<float, D>>(row);
 #pragma omp simd
   for (int i = 0; i < D; ++i) p[i] = from_float<T>(x[i] * scale);
 }
@@ -251,10 +261,10 @@ struct Tile {
 
 // e^x lane by lane, in a loop the compiler turns into one call of the vector math library.
 inline Vec exp_lanes(Vec x) {
-  auto lanes = std::bit_cast<std::array<float, kLanes>>(x);
+  auto lanes = bit_cast<std::array<float, kLanes>>(x);
 #pragma omp simd
   for (int l = 0; l < kLanes; ++l) lanes[l] = std::exp(lanes[l]);
-  return std::bit_cast<Vec>(lanes);
+  return bit_cast<Vec>(lanes);
 }
 
 inline Vec max_lanes(Vec a, Vec b) { return a > b ? a : b; }
@@ -302,12 +312,12 @@ void varlen(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
       for (int l = 0; l < kLanes; ++l) {
         Vec row[C] = {};
         if (l < tile.count) load_row<D>(q + query_offset(l), row);
-        const auto elements = std::bit_cast<std::array<float, D>>(row);  // load_row's order, as the keys'
+        const auto elements = bit_cast<std::array<float, D>>(row);  // load_row's order, as the keys'
         for (int d = 0; d < D; ++d) queries[d][l] = elements[d] * scale;
         last_key_of[l] = l < tile.count ? static_cast<float>(context + (tile.first_query + l) / group) : -1.f;
         for (int c = 0; c < C; ++c) acc[l][c] = Vec{};
       }
-      const Vec last_key = std::bit_cast<Vec>(last_key_of);
+      const Vec last_key = bit_cast<Vec>(last_key_of);
       Vec max_score = Vec{} + kMasked, total = Vec{};
       const int64_t keys_seen = context + (tile.first_query + tile.count - 1) / group + 1;  // by the last lane
       for (int64_t start = 0; start < keys_seen; start += kLanes) {
@@ -350,7 +360,7 @@ void varlen(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
           std::memcpy(weights[j], &p, sizeof(p));
         }
         // Two lanes at a time: twice the independent sums of one (an unused lane's are discarded).
-        const auto rescale_of = std::bit_cast<std::array<float, kLanes>>(rescale);
+        const auto rescale_of = bit_cast<std::array<float, kLanes>>(rescale);
         for (int64_t l = 0; l < tile.count; l += 2) {
           Vec a[C], b[C];
 #pragma GCC unroll 16
@@ -372,7 +382,7 @@ void varlen(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
           }
         }
       }
-      const auto total_of = std::bit_cast<std::array<float, kLanes>>(total);
+      const auto total_of = bit_cast<std::array<float, kLanes>>(total);
       for (int64_t l = 0; l < tile.count; ++l) store_row<D>(acc[l], 1.f / total_of[l], out + query_offset(l));
     }
   });

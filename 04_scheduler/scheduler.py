@@ -54,7 +54,8 @@ class RequestStatus(enum.IntEnum):
     PREEMPTED = 3
     FINISHED_STOPPED = 4  # a stop token (EOS), or a stop string (the engine calls finish_request)
     FINISHED_LENGTH = 5  # max_tokens reached
-    FINISHED_ABORTED = 6  # the client went away, or the engine gave up on it
+    FINISHED_ABORTED = 6  # the client went away
+    FINISHED_ERROR = 7  # the engine could not go on with it (vLLM's finish reason "error")
     FINISHED_LENGTH_CAPPED = 5  # the README listing's name for FINISHED_LENGTH (same member)
 
     @staticmethod
@@ -119,7 +120,10 @@ class Request(Sequence):
             if eos_token_id is None or ignore_eos
             else ((eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id))
         )
-        self.stop_token_ids: frozenset[int] = frozenset(eos) | frozenset(stop_token_ids)
+        stop = frozenset(stop_token_ids)
+        # A frozenset that already holds EOS is kept as it is: the engine's n completions of one
+        # request share one set, however many stop ids a client sent.
+        self.stop_token_ids: frozenset[int] = stop if stop.issuperset(eos) else stop | frozenset(eos)
         self.ignore_eos = ignore_eos
         self.status = RequestStatus.WAITING
         self.spec_token_ids: list[int] = []

@@ -29,7 +29,7 @@ def scheduled(out):
 # ---------------------------------------------------------------------- the types
 def test_request_status_and_request_fields():
     assert RequestStatus.FINISHED_LENGTH_CAPPED is RequestStatus.FINISHED_LENGTH  # the README listing's name
-    assert [RequestStatus.is_finished(s) for s in RequestStatus] == [False] * 4 + [True] * 3
+    assert [RequestStatus.is_finished(s) for s in RequestStatus] == [False] * 4 + [True] * 4
     r = Request("a", [1, 2, 3], max_tokens=5, priority=2, arrival_time=1.5, eos_token_id=[2, 9], stop_token_ids=[4])
     assert (r.request_id, r.status, r.priority, r.arrival_time, r.max_tokens) == ("a", RequestStatus.WAITING, 2, 1.5, 5)
     assert r.spec_token_ids == [] and r.num_preemptions == 0 and r.stop_token_ids == {2, 9, 4}

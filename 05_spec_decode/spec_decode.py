@@ -67,11 +67,11 @@ def one_hot_draft_probs(draft_token_ids: torch.Tensor, vocab_size: int) -> torch
 
 def pad_draft_token_ids(drafts: Sequence[Sequence[int]], k: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Ragged per-request drafts (each at most ``k`` long) as a ``[B, k]`` tensor padded with -1."""
-    out = torch.full((len(drafts), k), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+    out = torch.full((len(drafts), k), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device="cpu")  # filled on the host
     for i, d in enumerate(drafts):
         if len(d) > k:
             raise ValueError(f"drafts[{i}] has {len(d)} tokens, more than k={k}")
-        out[i, : len(d)] = torch.tensor(list(d), dtype=torch.long)
+        out[i, : len(d)] = torch.tensor(list(d), dtype=torch.long, device="cpu")
     return out.to(device)
 
 

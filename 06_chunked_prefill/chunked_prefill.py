@@ -204,15 +204,17 @@ def build_batch_inputs(info: SchedulerInfo, block_size: int, device: torch.devic
     """Flatten a :class:`SchedulerInfo` into the tensors of one varlen forward."""
     if not info.ids:
         raise ValueError("info describes an empty batch")
-    lens = torch.tensor(info.chunk_len, dtype=torch.int32)
-    starts = torch.tensor(info.kv_len, dtype=torch.int32)
-    cu_seqlens_q = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    # Built on the host from Python lists (the host reads lengths back), then copied to `device` once.
+    host = torch.device("cpu")
+    lens = torch.tensor(info.chunk_len, dtype=torch.int32, device=host)
+    starts = torch.tensor(info.kv_len, dtype=torch.int32, device=host)
+    cu_seqlens_q = torch.zeros(len(lens) + 1, dtype=torch.int32, device=host)
     torch.cumsum(lens, 0, out=cu_seqlens_q[1:])
     # int64 repeats: with int32 ones torch 2.13's CPU repeat_interleave takes ~2.5 ms instead of ~10 us.
-    seq_ids = torch.repeat_interleave(torch.arange(len(lens)), lens.long())
-    positions = torch.arange(int(cu_seqlens_q[-1])) - cu_seqlens_q[:-1][seq_ids] + starts[seq_ids]
+    seq_ids = torch.repeat_interleave(torch.arange(len(lens), device=host), lens.long())
+    positions = torch.arange(int(cu_seqlens_q[-1]), device=host) - cu_seqlens_q[:-1][seq_ids] + starts[seq_ids]
     width = max(len(bt) for bt in info.block_tables)
-    tables = torch.tensor([bt + [0] * (width - len(bt)) for bt in info.block_tables], dtype=torch.int32)
+    tables = torch.tensor([bt + [0] * (width - len(bt)) for bt in info.block_tables], dtype=torch.int32, device=host)
     seq_lens_k = starts + lens
     slot_mapping = build_slot_mapping(tables, positions, block_size, seq_ids)
 
@@ -220,13 +222,13 @@ def build_batch_inputs(info: SchedulerInfo, block_size: int, device: torch.devic
         return t.to(device, non_blocking=True)
 
     return BatchInputs(
-        input_ids=to(torch.tensor(info.merge_prompt, dtype=torch.long)),
+        input_ids=to(torch.tensor(info.merge_prompt, dtype=torch.long, device=host)),
         positions=to(positions),
         cu_seqlens_q=to(cu_seqlens_q),
         seq_lens_k=to(seq_lens_k),
         slot_mapping=to(slot_mapping),
         block_tables=to(tables),
-        logits_indices=to(torch.tensor(info.logits_indices, dtype=torch.long)),
+        logits_indices=to(torch.tensor(info.logits_indices, dtype=torch.long, device=host)),
         max_seqlen_q=int(lens.max()),
         max_seqlen_k=int(seq_lens_k.max()),
     )

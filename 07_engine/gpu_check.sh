@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Every GPU check of the book in one command, on a lent GPU machine as it is: no install, no
-# network, no editable install. Usage (07_engine/gpu_check.md says what each output is):
+# The book's essential GPU checks in one call, on a lent GPU machine as it is: no install, no
+# network, no editable install. Usage (07_engine/gpu_check.md says what each step checks):
 #
-#   bash 07_engine/gpu_check.sh [--phase 1|2] [--dry-run] OUT_DIR
+#   bash 07_engine/gpu_check.sh [--quick] [--dry-run] [--steps A,B] OUT_DIR
 #
 # The chapters import each other by module name, which the editable install provides here;
 # without it, PYTHONPATH names every chapter directory, the engine and its benchmarks and tests.

@@ -332,11 +332,12 @@ def print_table(
     for quiet gave up)."""
     peer_head = f"{'vs ' + peer_name:>14}" if peer else ""
     load_head = f"  {'load before -> after':<24}" if loads else ""
-    print(f"\n{'system':<46}{'output tok/s':>14}{'vs transformers':>18}{peer_head}{load_head}")
-    print("-" * (78 + len(peer_head) + len(load_head)))
+    width = max([46, *(len(name) + 2 for name, _ in rows)])
+    print(f"\n{'system':<{width}}{'output tok/s':>14}{'vs transformers':>18}{peer_head}{load_head}")
+    print("-" * (width + 32 + len(peer_head) + len(load_head)))
     for i, (name, tps) in enumerate(rows):
         ratio = f"{tps / baseline:.2f}x" if baseline else "-"
-        line = f"{name:<46}{tps:>14.1f}{ratio:>18}"
+        line = f"{name:<{width}}{tps:>14.1f}{ratio:>18}"
         if peer:
             line += f"{tps / peer:>13.2f}x"
         if loads:
@@ -414,7 +415,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true", help="nano-vllm's workload on a Qwen3-0.6B-shaped model (CUDA)")
     parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2)")
-    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument(
+        "--num-requests", type=int, default=None, help="default 128 (CPU); 256 with --gpu (nano-vllm's)"
+    )
     parser.add_argument("--input-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     parser.add_argument(
@@ -484,12 +487,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --gpu: nano-vllm's source, run beside the engine (default: shared/peers/nano-vllm "
         "beside or inside the repository, where it exists)",
     )
+    parser.add_argument(
+        "--gpu-modes",
+        nargs="*",
+        choices=("eager", "graphs"),
+        default=["eager", "graphs"],
+        help="with --gpu: the engine eager and/or with CUDA graphs (default: both; none: the peers alone)",
+    )
+    parser.add_argument(
+        "--gpu-peers",
+        nargs="*",
+        choices=("nano-vllm",),
+        default=["nano-vllm"],
+        help="with --gpu: the peers beside the engine in each mode (none: the engine alone)",
+    )
+    parser.add_argument(
+        "--hf-max-requests",
+        type=int,
+        default=None,
+        help="with --gpu: transformers runs the first N requests only (a static batch costs what its "
+        "longest output does, so one batch of N stands for every batch of N); default: all",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="with --gpu: the same code on the CPU, a tiny workload, in seconds"
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON")
     add_quiet_arg(parser)
     args = parser.parse_args(argv)
     check_quiet(args.refuse_busy)
     if args.hf_batch_sizes and min(args.hf_batch_sizes) < 1:
         parser.error("--hf-batch-sizes must be >= 1")
+    if args.num_requests is not None and args.num_requests < 1:
+        parser.error("--num-requests must be >= 1")
+    if args.hf_max_requests is not None and args.hf_max_requests < 1:
+        parser.error("--hf-max-requests must be >= 1")
     if args.passes < 1:
         parser.error("--passes must be >= 1")
     if args.threads is not None and args.threads < 1:
@@ -516,72 +547,101 @@ def bench_nanovllm(
         return json.loads(result.read_text())
 
 
+# The --gpu --dry-run workload: run_gpu's own code on a CPU with a tiny checkpoint, in seconds.
+DRY_RUN_WORKLOAD = dict(in_range=(4, 8), out_range=(2, 4), vocab=100)
+
+
 def run_gpu(args: argparse.Namespace, load_before: str) -> None:
-    """nano-vllm's workload on a random Qwen3-0.6B-shaped checkpoint, eager and with CUDA graphs,
-    on the engine, on nano-vllm itself (where its source and flash-attn are found) and on
-    transformers' ``generate`` (greedy, static batches of ``--hf-batch-sizes``). A peer that
-    cannot run or fails is reported and skipped; the engine's rows are always measured."""
+    """nano-vllm's workload on a random Qwen3-0.6B-shaped checkpoint, in each of ``--gpu-modes``
+    (eager, CUDA graphs), on the engine, on nano-vllm itself (where its source and flash-attn are
+    found) and on transformers' ``generate`` (greedy, static batches of ``--hf-batch-sizes``, over
+    the first ``--hf-max-requests`` requests). A peer that cannot run or fails is reported and
+    skipped; the engine's rows are always measured. ``--dry-run``: the same code on the CPU, a
+    tiny workload, float32, the engine eager in every mode (a CPU has no CUDA graphs; the rows
+    say so)."""
+    dry = args.dry_run
+    device, dtype = ("cpu", "float32") if dry else ("cuda", "bfloat16")
+    num_requests = args.num_requests or (4 if dry else 256)
+    if dry:
+        prompts, outputs = make_workload(num_requests, seed=args.seed, **DRY_RUN_WORKLOAD)
+    else:
+        prompts, outputs = make_workload(num_requests, (100, 1024), (100, 1024), 10000, args.seed)
     model_dir = args.model or make_qwen3_06b_shaped(tempfile.mkdtemp(prefix="qwen3-0.6b-random-"))
-    prompts, outputs = make_workload(256, (100, 1024), (100, 1024), 10000, args.seed)
-    nano_vllm = args.nano_vllm
-    if nano_vllm is None:
+    nano_vllm = None
+    if "nano-vllm" not in args.gpu_peers:
+        pass
+    elif args.nano_vllm is None:
         print(f"nano-vllm not run: no source at {', '.join(map(str, NANO_VLLM_DIRS))} (pass --nano-vllm DIR)")
-    elif importlib.util.find_spec("flash_attn") is None:
-        print("nano-vllm not run: it needs flash-attn, which is not installed here")
-        nano_vllm = None
+    elif dry or importlib.util.find_spec("flash_attn") is None:
+        print("nano-vllm not run: it needs CUDA and flash-attn, and flash-attn is not installed here")
+    else:
+        nano_vllm = args.nano_vllm
     rows, peer = [], []
-    for eager in (True, False):
-        mode = "eager" if eager else "CUDA graphs"
+    for mode in args.gpu_modes:
+        eager = mode == "eager"
+        label = {"eager": "eager", "graphs": "CUDA graphs"}[mode] + (", dry run: eager on the CPU" if dry else "")
         # nano-vllm first: its process exits and returns all its memory before the engine sizes its
         # KV cache, and the engine's is released (below) before the next nano-vllm run sizes its own.
         if nano_vllm is not None:
             try:
                 report = bench_nanovllm(nano_vllm, model_dir, prompts, outputs, 0.6, eager)
-                peer.append((f"nano-vllm bf16 ({mode})", report["output_tokens_per_s"]))
+                peer.append((f"nano-vllm bf16 ({label})", report["output_tokens_per_s"]))
             except (RuntimeError, OSError, KeyError, json.JSONDecodeError) as exc:
-                print(f"nano-vllm ({mode}) failed, skipped: {exc}")
+                print(f"nano-vllm ({label}) failed, skipped: {exc}")
         (tps,), _ = bench_engine(
-            model_dir, prompts, outputs, 0.6, max_model_len=4096, enforce_eager=eager, dtype="bfloat16"
+            model_dir,
+            prompts,
+            outputs,
+            0.6,
+            device=device,
+            max_model_len=4096,
+            enforce_eager=eager or dry,
+            dtype=dtype,
         )
-        rows.append((f"engine bf16 ({mode})", tps))
+        rows.append((f"engine {dtype} ({label})", tps))
         gc.collect()
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     hf = []
+    hf_count = min(args.hf_max_requests or num_requests, num_requests)
     for b in args.hf_batch_sizes:
+        subset = "" if hf_count == num_requests else f", first {hf_count} requests"
         try:
-            hf.append(
-                (
-                    f"transformers bf16 greedy (batch {b})",
-                    bench_transformers(model_dir, prompts, outputs, "bfloat16", b, device="cuda"),
-                )
-            )
-        except torch.cuda.OutOfMemoryError as exc:
+            tps = bench_transformers(model_dir, prompts[:hf_count], outputs[:hf_count], dtype, b, device=device)
+            hf.append((f"transformers {dtype} greedy (batch {b}{subset})", tps))
+        except torch.OutOfMemoryError as exc:
             print(f"transformers at batch {b} ran out of memory, skipped: {exc}")
         gc.collect()
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    card = torch.cuda.get_device_name() if device == "cuda" else f"CPU dry run ({cpu_name()})"
+    shape = "tiny random checkpoint" if dry else "Qwen3-0.6B-shaped random weights"
+    lens = "{}-{}".format(*DRY_RUN_WORKLOAD["in_range"]) if dry else "100-1024"
     print(
-        f"\n{torch.cuda.get_device_name()}, Qwen3-0.6B-shaped random weights, 256 seqs, in/out 100-1024; "
+        f"\n{card}, {shape}, {num_requests} seqs, in {lens}; "
         f"host {machine_line()}; load average before {load_before}, after {load_average()}"
     )
     best_hf = max((t for _, t in hf), default=None)
     best_peer = max((t for _, t in peer), default=None)
     print_table(rows + peer + hf, best_hf, best_peer, peer_name="nano-vllm")
+    for name, tps in rows:
+        print(f"result: {name} {tps:.1f} tok/s" + (f", {tps / best_hf:.2f}x transformers" if best_hf else ""))
+    for name, tps in hf:
+        print(f"result: {name} {tps:.1f} tok/s")
     if args.json:
-        write_json(
-            args.json,
-            {
-                "model": "Qwen3-0.6B-shaped, random weights",
-                "num_requests": 256,
-                "input_len": [100, 1024],
-                "output_len": [100, 1024],
-                "temperature": 0.6,
-            },
-            rows + peer + hf,
-            best_hf,
-            load_before,
-            best_peer,
-            peer_name="nano-vllm",
-        )
+        workload = {
+            "model": shape,
+            "device": card,
+            "num_requests": num_requests,
+            "input_len": [100, 1024],
+            "output_len": [100, 1024],
+            "temperature": 0.6,
+            "transformers_requests": hf_count,
+        }
+        if dry:
+            workload.update(input_len=list(DRY_RUN_WORKLOAD["in_range"]))
+            workload.update(output_len=list(DRY_RUN_WORKLOAD["out_range"]))
+        write_json(args.json, workload, rows + peer + hf, best_hf, load_before, best_peer, peer_name="nano-vllm")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -590,9 +650,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     load_before = load_average()
     if args.gpu:
-        if not torch.cuda.is_available():
-            raise SystemExit("--gpu needs CUDA")
+        if not (torch.cuda.is_available() or args.dry_run):
+            raise SystemExit("--gpu needs CUDA (or --dry-run, which runs its code on the CPU)")
         return run_gpu(args, load_before)
+    if args.dry_run:
+        raise SystemExit("--dry-run goes with --gpu")
+    args.num_requests = args.num_requests or 128
     python = vllm_python(args.vllm_venv) if args.peer == "vllm" else None  # fail before any work
 
     from vllm_from_scratch import default_model_dir

@@ -1,5 +1,5 @@
 """Can one client stall another's stream? Measure the longest gap between streamed tokens while
-a second client posts huge or pathological bodies.
+a second client posts huge or pathological bodies, or the largest requests the limits allow.
 
     python 07_engine/benchmarks/bench_server_stall.py                          # this checkout, every attack
     python 07_engine/benchmarks/bench_server_stall.py --tree /tmp/before       # another checkout, same venv
@@ -17,7 +17,18 @@ what the posts got back. The attacks:
   server's default limit for ``--max-model-len``), so it is read, parsed and tokenized;
 * ``floats-limit``: ``"prompt": [1.5, 1.5, ...]`` just under the limit: every item is wrong;
 * ``chat-limit``: thousands of short chat messages just under the limit, rendered by the
-  chat template.
+  chat template;
+* ``n-max``: ``n`` at ``max_n_sequences`` (``--max-n``, default 256), 8 tokens each;
+* ``logprobs-max``: a 3,000-token prompt echoed with 20 logprobs per token, 20 prompt logprobs
+  and ``n`` 7: the largest response ``max_response_logprobs`` (1,000,000) lets through, not
+  streamed;
+* ``logprobs-wide``: the same prompt, ``n`` 64 (refused now; what a server without the limit did);
+* ``batch-max``: 1,024 short prompts (``max_completion_prompts``) of 16 tokens each;
+* ``bias-max``: ``n`` 256 with a 40,000-entry ``logit_bias`` and ``min_tokens`` 8 over 10,000
+  ``stop_token_ids`` (per-step work the engine thread does for every completion);
+* ``penalty-max``: ``n`` 256 with all three penalties on a 3,500-token prompt.
+
+The last six are sent once each (``--num-posts 1`` is their natural setting).
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from server_testing import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 ATTACKS = ("text-8mb", "text-limit", "floats-limit", "chat-limit")
+LIMIT_ATTACKS = ("n-max", "logprobs-max", "logprobs-wide", "batch-max", "bias-max", "penalty-max")
 WORDS = (
     "the of and to in is was that for it with as his on be at by had are but from or have an they "
     "which one you were all we her she there would their will when who him been has more if no "
@@ -80,10 +92,31 @@ def english(nbytes: int, seed: int = 0) -> str:
     return " ".join(parts)[:nbytes]
 
 
-def make_attack(kind: str, limit: int) -> Attack:
+def make_attack(kind: str, limit: int, max_n: int = 256) -> Attack:
     """The body of one attack post (``model`` left out, as the API allows); the ``-limit`` kinds
-    are sized to ``limit`` minus 64 bytes."""
+    are sized to ``limit`` minus 64 bytes, the ``-max`` kinds to the server's default limits
+    (``n`` up to ``max_n``)."""
     target = limit - 64
+    long_prompt = english(17_000, seed=2)  # about 3,000 tokens
+    sampled = {"temperature": 1.0, "ignore_eos": True}
+    if kind == "n-max":
+        return Attack(kind, "/v1/completions", _json({"prompt": english(200), "n": max_n, "max_tokens": 8, **sampled}))
+    if kind in ("logprobs-max", "logprobs-wide"):
+        n = 7 if kind == "logprobs-max" else 64
+        body = {"prompt": long_prompt, "n": n, "max_tokens": 1, "echo": True, "logprobs": 20, "prompt_logprobs": 20}
+        return Attack(kind, "/v1/completions", _json({**body, **sampled}))
+    if kind == "batch-max":
+        prompts = [english(60, seed=i) for i in range(1024)]
+        return Attack(kind, "/v1/completions", _json({"prompt": prompts, "max_tokens": 16, **sampled}))
+    if kind == "bias-max":
+        bias = {str(t): -1.0 for t in range(40_000)}
+        stops = list(range(10_000, 20_000))
+        body = {"prompt": english(200), "n": max_n, "max_tokens": 8, "logit_bias": bias}
+        return Attack(kind, "/v1/completions", _json({**body, "min_tokens": 8, "stop_token_ids": stops, **sampled}))
+    if kind == "penalty-max":
+        penalties = {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5}
+        body = {"prompt": english(20_000, seed=3), "n": max_n, "max_tokens": 8, **penalties}
+        return Attack(kind, "/v1/completions", _json({**body, **sampled}))
     if kind == "text-8mb":
         return Attack(kind, "/v1/completions", _json({"prompt": english(8_000_000), "max_tokens": 1}))
     if kind == "text-limit":
@@ -95,7 +128,7 @@ def make_attack(kind: str, limit: int) -> Attack:
         message = {"role": "user", "content": english(80, seed=1)}
         count = target // (len(_json(message)) + 1)
         return Attack(kind, "/v1/chat/completions", _json({"messages": [message] * count, "max_tokens": 1}))
-    raise ValueError(f"unknown attack {kind!r}; choose from {', '.join(ATTACKS)}")
+    raise ValueError(f"unknown attack {kind!r}; choose from {', '.join(ATTACKS + LIMIT_ATTACKS)}")
 
 
 def _json(obj) -> bytes:
@@ -192,7 +225,10 @@ def cpu_model() -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", type=Path, default=REPO, help="repository checkout whose server runs (default: this one)")
-    p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, from {', '.join(ATTACKS)}")
+    p.add_argument(
+        "--attacks", default=",".join(ATTACKS), help=f"comma-separated, from {', '.join(ATTACKS + LIMIT_ATTACKS)}"
+    )
+    p.add_argument("--max-n", type=int, default=256, help="n of the -max attacks (default: %(default)s)")
     p.add_argument("--num-posts", type=int, default=3, help="concurrent posts per attack")
     p.add_argument("--repeat", type=int, default=1, help="run the list of attacks this many times")
     p.add_argument("--max-model-len", type=int, default=4096, help="passed to the server")
@@ -215,7 +251,7 @@ def main(argv=None) -> list[Outcome]:
     from vllm_from_scratch.api_server import default_max_request_bytes
 
     limit = args.limit_bytes or default_max_request_bytes(args.max_model_len)
-    attacks = [make_attack(kind, limit) for kind in args.attacks.split(",")]
+    attacks = [make_attack(kind, limit, args.max_n) for kind in args.attacks.split(",")]
     server_args = ["--max-model-len", str(args.max_model_len), *shlex.split(args.server_args)]
     outcomes = []
     with ServerProcess(

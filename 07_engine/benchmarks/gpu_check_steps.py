@@ -3,9 +3,9 @@ by ``gpu_check.py`` (so that one crash or hang costs one step, not the run).
 
 * ``versions OUT``: library versions, the card, nvidia-smi, and where each package was imported from;
 * ``checkpoint DIR``: the Qwen3-0.6B-shaped random checkpoint and its tokenizer (bench.py's), once;
-* ``kernels OUT``: the Triton paged-attention kernels (decode and varlen) and the Triton
-  ``store_kvcache`` against their torch references, bf16 and fp16, block sizes 16 and 256, at the
-  checkpoint's head shapes;
+* ``kernels OUT``: the Triton paged-attention kernels (decode and varlen), the Triton
+  ``store_kvcache`` and the Triton rejection sampler against their torch references, at the
+  engine's shapes (Qwen3-0.6B's heads, block sizes 16 and 256, its 151,936-token vocabulary);
 * ``parity DIR OUT``: the engine's greedy tokens against transformers' ``generate``;
 * ``decode DIR OUT``: the decode step at batch 1 and 64 against the card's weight-streaming
   floor, a profiler table of one eager decode step, and peak memory against the KV budget.
@@ -94,7 +94,7 @@ def versions(out: Path) -> None:
 
 # ---------------------------------------------------------------------------------- checkpoint
 def checkpoint(model_dir: Path, tiny: bool) -> None:
-    """Build the checkpoint unless a complete one is there (phase 2 reuses phase 1's)."""
+    """Build the checkpoint unless a complete one is there (a later call on a warm machine reuses it)."""
     from bench import make_qwen3_06b_shaped
 
     if (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists():
@@ -127,8 +127,28 @@ def _paged_inputs(q_lens: list[int], kv_lens: list[int], hq: int, hkv: int, d: i
     return [t.to(device) for t in (q.to(dtype), k.to(dtype), v.to(dtype), cu, lens, tables)]
 
 
+def _rejection_case(batch: int, k: int, vocab: int, device: str) -> dict:
+    """The Triton rejection sampler against chapter 05's torch one on the same noise: equal tokens."""
+    from rejection_sampler_triton import rejection_sample_triton
+    from spec_decode import rejection_sample, sample_rejection_noise
+
+    gen = torch.Generator().manual_seed(0)
+    target = torch.softmax(torch.randn(batch, k + 1, vocab, generator=gen) * 3, dim=-1)
+    draft = 0.5 * torch.softmax(torch.randn(batch, k, vocab, generator=gen) * 3, dim=-1) + 0.5 * target[:, :k]
+    ids = torch.multinomial(draft.reshape(-1, vocab), 1, generator=gen).reshape(batch, k)
+    ids[-1, k - 1 :] = -1  # a request with fewer drafts
+    ids, draft, target = ids.to(device), draft.to(device), target.to(device)
+    noise = sample_rejection_noise(batch, k, vocab, device, torch.Generator(device=device).manual_seed(1))
+    expected = rejection_sample(ids, draft, target, noise=noise)
+    got = rejection_sample_triton(ids, draft, target, noise=noise)
+    ok = torch.equal(got, expected)
+    err = 0.0 if ok else None
+    return dict(kernel="rejection_sample", dtype="torch.float32", block_size=None, max_abs_err=err, ok=ok)
+
+
 def kernels(out: Path, dry_run: bool) -> None:
-    """Each Triton kernel against the torch reference (computed in float32 from the same inputs)."""
+    """Each Triton kernel against the torch reference (computed in float32 from the same inputs),
+    at the engine's shapes; a dry run keeps the shapes and shortens the sequences."""
     from attention_backends import paged_attention
     from store_kvcache import store_kvcache_torch, store_kvcache_triton
     from triton_setup import HAS_TRITON, INTERPRETED
@@ -137,11 +157,13 @@ def kernels(out: Path, dry_run: bool) -> None:
         print("skipped: Triton needs a GPU here (or TRITON_INTERPRET=1 on a CPU)")
         raise SystemExit(SKIPPED)
     device = "cpu" if dry_run else "cuda"
-    if dry_run:  # the interpreter is slow and numpy has no bfloat16: tiny shapes, fp16 and fp32
-        hq, hkv, d, dtypes, block_sizes = 4, 2, 16, (torch.float16, torch.float32), (4, 16)
-        decode_lens, varlen = [1, 5, 17], ([1, 3, 6], [9, 3, 20])
-    else:  # Qwen3-0.6B's heads; lengths on and around block edges
-        hq, hkv, d, dtypes, block_sizes = 16, 8, 128, (torch.bfloat16, torch.float16), (16, 256)
+    # Qwen3-0.6B's heads and vocabulary, block sizes 16 (the engine's) and 256 (flash-attn's).
+    hq, hkv, d, block_sizes, vocab = 16, 8, 128, (16, 256), 151936
+    if dry_run:  # the interpreter is slow and numpy has no bfloat16: short sequences, fp16 and fp32
+        dtypes = (torch.float16, torch.float32)
+        decode_lens, varlen = [1, 16, 17, 300], ([1, 5], [20, 260])
+    else:  # lengths on and around block edges
+        dtypes = (torch.bfloat16, torch.float16)
         decode_lens, varlen = [1, 15, 16, 17, 255, 256, 257, 1000, 3000], ([1, 7, 64, 300], [400, 7, 64, 1200])
     tolerance = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}
     cases, failed = [], 0
@@ -174,9 +196,12 @@ def kernels(out: Path, dry_run: bool) -> None:
             cases.append(
                 dict(kernel="store_kvcache", dtype=str(dtype), block_size=bs, max_abs_err=0.0 if ok else None, ok=ok)
             )
+    cases.append(_rejection_case(2, 2, vocab, device) if dry_run else _rejection_case(64, 4, vocab, device))
+    failed += not cases[-1]["ok"]
     for c in cases:
         verdict = "ok" if c["ok"] else "FAILED"
-        print(f"{c['kernel']:<26} {c['dtype']:<16} block {c['block_size']:>4}  max|err| {c['max_abs_err']}  {verdict}")
+        block = c["block_size"] or "-"
+        print(f"{c['kernel']:<26} {c['dtype']:<16} block {block:>4}  max|err| {c['max_abs_err']}  {verdict}")
     write_json(out / "kernels.json", {"device": device, "heads": [hq, hkv, d], "cases": cases})
     if failed:
         raise SystemExit(f"result: {failed} of {len(cases)} kernel cases outside tolerance")
@@ -186,10 +211,10 @@ def kernels(out: Path, dry_run: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------- parity
-def parity(model_dir: Path, out: Path, dry_run: bool) -> None:
+def parity(model_dir: Path, out: Path, dry_run: bool, quick: bool = False) -> None:
     """Greedy tokens of the engine (CUDA graphs on) against transformers' ``generate``, float32:
     bit-level agreement is not expected, so a token may flip only where the top two logits tie.
-    bfloat16 is reported too (where the first divergence falls), not judged."""
+    bfloat16 is reported too (where the first divergence falls), not judged; ``quick`` skips it."""
     from transformers import AutoModelForCausalLM
 
     from vllm_from_scratch import LLM, SamplingParams
@@ -201,7 +226,7 @@ def parity(model_dir: Path, out: Path, dry_run: bool) -> None:
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
     new_tokens = 4 if dry_run else 32
     report: dict = {"device": device, "new_tokens": new_tokens, "prompt_lens": list(lengths), "runs": {}}
-    for dtype in ("float32",) if dry_run else ("float32", "bfloat16"):
+    for dtype in ("float32",) if dry_run or quick else ("float32", "bfloat16"):
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
         expected = []
         with torch.inference_mode():
@@ -217,6 +242,7 @@ def parity(model_dir: Path, out: Path, dry_run: bool) -> None:
             dtype=dtype,
             max_model_len=1024,
             num_kvcache_blocks=512,
+            max_num_seqs=8,  # four prompts: a few graphs to capture, not 20
             warm_up=False,
             enforce_eager=dry_run,
         )
@@ -370,6 +396,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("model_dir", type=Path)
         p.add_argument("out", type=Path)
         p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
+        if step == "parity":
+            p.add_argument("--quick", action="store_true", help="float32 only (the judged run)")
     args = parser.parse_args(argv)
     if args.step == "versions":
         versions(args.out)
@@ -378,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.step == "kernels":
         kernels(args.out, args.dry_run)
     elif args.step == "parity":
-        parity(args.model_dir, args.out, args.dry_run)
+        parity(args.model_dir, args.out, args.dry_run, args.quick)
     else:
         decode(args.model_dir, args.out, args.dry_run)
 

@@ -119,7 +119,7 @@ def test_a_generator_on_another_device_than_the_noise_is_refused():
 
 @pytest.mark.parametrize(
     "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+    ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)],
 )
 def test_inverse_transform_on_the_device_skips_masked_tokens_and_keeps_seeded_rows_alone(device):
     """The draw the engine makes on its own device: a token of probability 0 (first, middle or

@@ -104,15 +104,19 @@ def test_a_seeded_requests_rejection_noise_is_its_own_whatever_the_batch(tiny_ll
 
 def test_seeded_spec_decoding_ignores_the_rest_of_the_batch(tiny_llama_dir):
     """A seeded request draws its acceptance uniforms and its exponential row from its own
-    generator, sized by its own drafts, not by the batch's longest."""
+    generator, sized by its own drafts, not by the batch's longest; and whether the others
+    drafted (the global generator decides their tokens, so each seed below makes a different
+    batch) never changes how it samples a step in which it has no drafts."""
     llm = _spec_llm(tiny_llama_dir, {"method": "ngram", "num_speculative_tokens": 3})
     base = make_prompts(9, (5,))[0]
     seeded = SamplingParams(temperature=0.9, max_tokens=12, seed=11, ignore_eos=True)
     other = SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True)
     alone = llm.generate([base * 3], seeded, use_tqdm=False)[0]["token_ids"]
     batch = [make_prompts(10, (7,))[0] * 4, base * 3, [4, 5]]
-    batched = llm.generate(batch, [other, seeded, other], use_tqdm=False)[1]["token_ids"]
-    assert alone == batched
+    for global_seed in range(6):
+        torch.manual_seed(global_seed)
+        batched = llm.generate(batch, [other, seeded, other], use_tqdm=False)[1]["token_ids"]
+        assert alone == batched, f"global seed {global_seed}: the seeded request's tokens changed with the batch"
     assert_no_leak(llm)
 
 

@@ -31,6 +31,7 @@ from vllm_from_scratch.streaming import stream_events
 
 MODEL = "scripted"
 CRASH_TOKEN = 7  # a prompt containing this token id makes step() raise
+ERROR_TOKEN = 9  # a prompt containing this token id ends its request with finish reason "error"
 KEY = "a-class-key"
 JSON = {"content-type": "application/json"}
 
@@ -96,6 +97,9 @@ class ScriptedEngine:
         tok = r["prompt"][(len(out) + k) % len(r["prompt"])]
         out.append(tok)
         self.stats["generation_tokens_total"] += 1
+        if ERROR_TOKEN in r["prompt"] and len(out) == 2:  # as LLMEngine ends a request it cannot go on with
+            r["outs"][k] = [tok] * r["max_tokens"]
+            return RequestOutput(rid, [], out[:1], "", "", True, "error", len(r["prompt"]), 0, index=k, error="why")
         done = len(out) >= r["max_tokens"]
         text = "".join(self.tokenizer.decode([t]) for t in out)
         reason = "length" if done else None

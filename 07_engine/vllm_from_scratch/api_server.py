@@ -9,8 +9,10 @@
 * ``GET  /version``              ``{"version": ...}``;
 * ``GET  /metrics``              Prometheus text with vLLM's metric names.
 
-Two guards, ASGI middleware in front of every route, answer before FastAPI reads the body: the
-API key (:class:`APIKeyMiddleware`) and the size limit (:class:`RequestSizeLimitMiddleware`).
+Three guards, ASGI middleware in front of every route, answer before FastAPI reads the body:
+the API key (:class:`APIKeyMiddleware`), the size limit (:class:`RequestSizeLimitMiddleware`) and
+text that is not Unicode (:class:`UnicodeTextMiddleware`). Every error, an unexpected one
+included, leaves as a JSON body in OpenAI's shape (:func:`add_error_handlers`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import importlib.metadata
+import json
+import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Annotated, Any
@@ -32,6 +36,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vllm_from_scratch.async_llm import AsyncLLM
+from vllm_from_scratch.config import ServingLimits
 from vllm_from_scratch.metrics import CONTENT_TYPE, ServerMetrics
 from vllm_from_scratch.openai_protocol import (
     APIError,
@@ -91,6 +96,7 @@ def build_app(
     api_key: str | None = None,
     max_request_bytes: int | None = None,
     default_sampling_params: Mapping[str, Any] | None = None,
+    limits: ServingLimits | None = None,
 ) -> FastAPI:
     """The FastAPI application serving ``engine`` (an ``LLMEngine`` or anything with its API).
 
@@ -100,7 +106,8 @@ def build_app(
     ``max_request_bytes``: the largest request body accepted (default
     :func:`default_max_request_bytes` of the engine's ``max_model_len``).
     ``default_sampling_params``: the model's sampling defaults for fields a request leaves unset
-    (:func:`serving.generation_config_defaults`).
+    (:func:`serving.generation_config_defaults`). ``limits``: what one request may ask for
+    (:class:`config.ServingLimits`; default: its defaults).
     """
     metrics = ServerMetrics(served_model_name, lambda: llm.stats, engine.max_model_len)
     llm = AsyncLLM(engine, metrics)
@@ -112,6 +119,7 @@ def build_app(
         engine.config.vocab_size,
         default_sampling_params,
         getattr(engine.config, "scheduling_policy", "fcfs"),
+        limits,
     )
 
     @asynccontextmanager
@@ -177,7 +185,9 @@ def build_app(
 
     add_viz_routes(app, engine)
     add_error_handlers(app)
-    # Added last, so outermost: the key is checked before the body is read at all.
+    # Each added one wraps the ones before: the key is checked before the body is read at all,
+    # and the size before the text is looked at.
+    app.add_middleware(UnicodeTextMiddleware)
     app.add_middleware(
         RequestSizeLimitMiddleware, max_bytes=max_request_bytes or default_max_request_bytes(engine.max_model_len)
     )
@@ -208,6 +218,12 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ClientGone)
     async def on_client_gone(_: Request, __: ClientGone) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(Exception)
+    async def on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+        # A bug, not the client's doing: still OpenAI's body (Starlette's default is plain text),
+        # and the traceback in the server's log (Starlette logs it after this answer).
+        return error_response(APIError(f"Internal server error: {exc!r}", status_code=500))
 
 
 def validation_error(exc: RequestValidationError, max_listed: int = 3) -> APIError:
@@ -289,18 +305,81 @@ class RequestSizeLimitMiddleware:
         await self.app(scope, replay(body, receive), send)
 
 
-async def read_body(receive: Receive, max_bytes: int) -> bytes | None:
-    """The request body, or None as soon as it passes ``max_bytes``."""
+async def read_body(receive: Receive, max_bytes: int | None) -> bytes | None:
+    """The request body, or None as soon as it passes ``max_bytes`` (None: no limit)."""
     body = bytearray()
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientDisconnect()
         body += message.get("body", b"")
-        if len(body) > max_bytes:
+        if max_bytes is not None and len(body) > max_bytes:
             return None
         if not message.get("more_body", False):
             return bytes(body)
+
+
+# A JSON escape of a UTF-16 surrogate, \uD800 to \uDFFF: the only way a body that is valid UTF-8
+# can carry one. Escaped pairs (emoji from clients that escape non-ASCII) decode to one character.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+class UnicodeTextMiddleware:
+    """A JSON body whose strings hold a lone UTF-16 surrogate gets a 400 naming the field.
+
+    ``"a\\ud800b"`` is valid JSON but not text: Python keeps the lone surrogate in the ``str``,
+    and it fails later wherever the text is encoded (the tokenizer, a response that quotes it) as
+    a 500. The raw body is searched for a surrogate escape first, so only bodies that have one
+    are parsed here (a ``json.loads`` bounded by the size limit, run before this).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await read_body(receive, max_bytes=None)
+        except ClientDisconnect:
+            return
+        assert body is not None  # no limit here: the size limit was checked outside
+        where = lone_surrogate(body) if SURROGATE_ESCAPE.search(body) else None
+        if where is not None:
+            path, index = where
+            message = f"{path} is not valid Unicode text: a lone UTF-16 surrogate at character {index}"
+            param = re.split(r"[.\[]", path, maxsplit=1)[0] or None
+            await error_response(APIError(message, param=param))(scope, receive, send)
+            return
+        await self.app(scope, replay(body, receive), send)
+
+
+def lone_surrogate(body: bytes) -> tuple[str, int] | None:
+    """The first string of JSON ``body`` (an object key or a value) that holds a lone surrogate:
+    its path (``messages[0].content``) and the character's index; None when there is none or
+    the body is not JSON (the route's own parsing answers that)."""
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[str, Any]] = [("", document)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                return path or "body", err.start
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                # The path is sent back to the client: a bad key is shown escaped.
+                name = key.encode("utf-8", "backslashreplace").decode()
+                stack.append((f"{path}.{name}" if path else name, item))
+                stack.append((f"{path}.{name}" if path else name, key))  # the key itself, checked first
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+    return None
 
 
 def replay(body: bytes, receive: Receive) -> Receive:

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EngineT = TypeVar("EngineT")
+# The most time one turn of the engine loop spends taking new requests while others run.
+ADD_BUDGET_S = 0.05
+# Steps that may fail in a row, each costing its own requests, before the engine is taken for
+# dead (/health then answers 503): a fault that every step meets is no single request's doing.
+MAX_FAILED_STEPS = 3
 
 
 def build_engine(factory: Callable[[], EngineT]) -> EngineT:
@@ -146,6 +151,7 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._unscheduled: set[str] = set()  # accepted, never yet in a step that computed for it
+        self._failed_steps = 0  # steps that raised, in a row
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
@@ -195,7 +201,7 @@ class AsyncLLM:
                 stepped = self.engine.has_unfinished_requests()
                 if stepped:
                     step_start = time.perf_counter()
-                    self._dispatch(self.engine.step(), step_start)
+                    self._dispatch(self._step(), step_start)
                 stats = dict(self.engine.get_stats())
                 if stepped:
                     self._observe_step(stats)
@@ -205,9 +211,33 @@ class AsyncLLM:
             self.error = exc
             self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
 
+    def _step(self) -> list[RequestOutput]:
+        """One engine step. If it raises, the engine ends the requests that step had scheduled
+        with finish reason "error" and the loop goes on (``recover_from_failed_step``), unless
+        :data:`MAX_FAILED_STEPS` steps in a row failed: then the engine is taken for dead."""
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            recover = getattr(self.engine, "recover_from_failed_step", None)
+            self._failed_steps += 1
+            if recover is None or self._failed_steps >= MAX_FAILED_STEPS:
+                raise
+            log.exception("an engine step failed; the requests it had scheduled end with an error")
+            return recover(exc)
+        self._failed_steps = 0
+        return outputs
+
     def _apply_commands(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one when idle); False means shut down."""
+        """Apply queued commands (waiting for one when idle); False means shut down.
+
+        While requests run (``block`` False), one turn spends at most :data:`ADD_BUDGET_S` on
+        commands before the next step: a burst of requests, each validated and built here, is
+        admitted over a few steps instead of holding every running stream until all are in.
+        """
+        deadline = None if block else time.perf_counter() + ADD_BUDGET_S
         while True:
+            if deadline is not None and time.perf_counter() > deadline:
+                return True
             try:
                 command = self._commands.get(block=block)
             except queue.Empty:
@@ -279,7 +309,7 @@ class AsyncLLM:
                 if self.metrics is not None:
                     self.metrics.e2e_request_latency.observe(now - stream.arrival)
                     self.metrics.request_finished(out.finish_reason or "stop")
-                    if out.finish_reason != "abort":
+                    if out.finish_reason not in ("abort", "error"):
                         self._observe_finished(stream, out)
             _push(stream, out)
 

@@ -182,6 +182,10 @@ class EngineConfig:
         False,
     )
     max_num_seqs: int = setting("most requests in one batch (chapter 04)", 256)
+    max_n_sequences: int = setting(
+        "most completions one request may ask for (SamplingParams.n; vLLM's VLLM_MAX_N_SEQUENCES); "
+        "None: max_num_seqs, so that a request's completions fit in one batch"
+    )
     max_num_batched_tokens: int = setting(
         "token budget of one step; None: 2048 with chunked prefill, else max(max_model_len, 8192)"
     )
@@ -237,6 +241,7 @@ class EngineConfig:
             "kvcache_block_size",
             "num_kvcache_blocks",
             "long_prefill_token_threshold",
+            "max_n_sequences",
         ):
             _positive_int(name, getattr(self, name), allow_none=True)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -264,6 +269,8 @@ class EngineConfig:
                 f"({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is False",
             )
+        if self.max_n_sequences is None:
+            self.max_n_sequences = self.max_num_seqs
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 256 if self._uses_flash_attn() else 16
         if self.speculative_config is not None:
@@ -301,25 +308,63 @@ class EngineConfig:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         """Add one flag per setting, with vLLM's spellings (``--max-num-seqs``,
         ``--enable-prefix-caching/--no-enable-prefix-caching``, ``--speculative-config JSON``)."""
-        group = parser.add_argument_group("engine settings (EngineConfig)")
-        for f in dataclasses.fields(cls):
-            if not f.init or f.name == "model_dir":
-                continue
-            kwargs = dict(dest=f.name, default=f.default, help=f.metadata["help"] + " (default: %(default)s)")
-            if "bool" in f.type:
-                kwargs["action"] = argparse.BooleanOptionalAction
-            elif "dict" in f.type:
-                kwargs.update(type=_json_dict(f.name), metavar="JSON")
-            elif "choices" in f.metadata:
-                kwargs["choices"] = f.metadata["choices"]
-            else:
-                kwargs["type"] = int if "int" in f.type else float if "float" in f.type else str
-            group.add_argument(f.metadata.get("flag", "--" + f.name.replace("_", "-")), **kwargs)
+        _add_setting_flags(cls, parser.add_argument_group("engine settings (EngineConfig)"))
 
     @classmethod
     def cli_kwargs(cls, args: argparse.Namespace) -> dict:
         """The settings parsed by :meth:`add_cli_args`, as keyword arguments of ``LLMEngine``."""
-        return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init and f.name != "model_dir"}
+        return {f.name: getattr(args, f.name) for f in _settings(cls)}
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """What one request may ask of a shared server (07_engine/topics/serving.md, "What a server
+    owes its other clients"). A request over a limit is refused before any work, with a 400
+    naming the field and the limit; the server's flags are generated from this list."""
+
+    max_logprobs: int = setting("most top logprobs per token a request may ask for (vLLM's --max-logprobs)", 20)
+    max_completion_prompts: int = setting(
+        "most prompts in one /v1/completions request (vLLM's VLLM_MAX_COMPLETION_PROMPTS)", 1024
+    )
+    max_stop_strings: int = setting("most stop strings in one request (vLLM's VLLM_MAX_STOP_STRINGS; OpenAI's 4)", 4)
+    max_response_logprobs: int = setting(
+        "most logprob entries one response may carry: every token shown with logprobs counts 1 + "
+        "its top logprobs, over all n choices, the echoed prompt and prompt_logprobs included",
+        1_000_000,
+    )
+
+    def __post_init__(self) -> None:
+        for f in _settings(type(self)):
+            _positive_int(f.name, getattr(self, f.name))
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        _add_setting_flags(cls, parser.add_argument_group("request limits (ServingLimits)"))
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServingLimits:
+        return cls(**{f.name: getattr(args, f.name) for f in _settings(cls)})
+
+
+def _settings(cls: type) -> list[dataclasses.Field]:
+    """The fields of a settings dataclass that a caller (or the command line) sets."""
+    return [f for f in dataclasses.fields(cls) if f.init and f.name != "model_dir"]
+
+
+def _add_setting_flags(cls: type, group: argparse._ArgumentGroup) -> None:
+    """One flag per :func:`setting` of ``cls``: ``--name-with-dashes`` unless it says ``flag=``."""
+    for f in _settings(cls):
+        kwargs = dict(dest=f.name, default=f.default, help=f.metadata["help"] + " (default: %(default)s)")
+        kind = str(f.type)
+        if "bool" in kind:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif "dict" in kind:
+            kwargs.update(type=_json_dict(f.name), metavar="JSON")
+        elif "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        else:
+            kwargs["type"] = int if "int" in kind else float if "float" in kind else str
+        group.add_argument(f.metadata.get("flag", "--" + f.name.replace("_", "-")), **kwargs)
 
 
 def _json_dict(name: str) -> Callable[[str], dict]:

@@ -37,8 +37,9 @@ def capture_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class _EagerReplay:
     """Stands in for ``torch.cuda.CUDAGraph`` where there is no GPU: ``replay()`` runs the same
-    closure on the same static buffers, eagerly. It lets the CPU tests check everything around
-    the graph (buffer filling, padding, size choice), not the capture itself."""
+    closure on the same static buffers, eagerly. Through it the CPU tests run everything around
+    the graph (size choice, copy-in to the static buffers, padding rows, slot -1, the capture
+    writing nothing), all but the capture itself."""
 
     def __init__(self, fn: Callable[[], None]):
         self._fn = fn
@@ -56,7 +57,8 @@ class CUDAGraphRunner:
         max_num_seqs: the scheduler's limit; sizes above ``min(max_num_seqs, 512)`` run eagerly.
         max_model_len: bounds the block-table width and the frozen ``max_seqlen_k``.
         hidden_size / dtype / device: of the hidden states; every buffer is on ``device``.
-        use_cuda_graph: False replaces the CUDA graphs by :class:`_EagerReplay` (CPU tests).
+        use_cuda_graph: False captures :class:`_EagerReplay` stand-ins instead of CUDA graphs
+            (``GPUPlatform(cuda_graphs=False)`` in ``model_runner.py``: how CI runs this on a CPU).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class CUDAGraphRunner:
         if use_cuda_graph and device.type != "cuda":
             raise ValueError(f"device must be a CUDA device to capture CUDA graphs, got {device}")
         self.model = model
+        self.device = device
         self.use_cuda_graph = use_cuda_graph
         self.batch_sizes = capture_batch_sizes(max_num_seqs)
         self.max_bs = self.batch_sizes[-1]
@@ -109,20 +112,21 @@ class CUDAGraphRunner:
         """Capture every batch size, largest first, in one shared memory pool; the buffers hold
         padding rows only (slot -1), so capturing writes nothing to the KV cache."""
         for bs in reversed(self.batch_sizes):
+            # A warm-up run first: lazy initialisations (cuBLAS handles, NCCL communicators,
+            # Triton autotuning) must not happen inside the capture. The stand-in runs it too, so
+            # that "capturing writes nothing" is checked on a CPU as well.
+            self._forward_into_buffers(bs)
             if not self.use_cuda_graph:
                 self.graphs[bs] = _EagerReplay(functools.partial(self._forward_into_buffers, bs))
                 continue
-            # A warm-up run first: lazy initialisations (cuBLAS handles, NCCL communicators,
-            # Triton autotuning) must not happen inside the capture.
-            self._forward_into_buffers(bs)
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
                 self._forward_into_buffers(bs)
             if self.graph_pool is None:
                 self.graph_pool = graph.pool()
             self.graphs[bs] = graph
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
 
     def padded_batch_size(self, n: int) -> int:
         """The captured size a batch of ``n`` replays (the smallest one ``>= n``)."""

@@ -42,7 +42,7 @@ from vllm_from_scratch.distributed import make_executor
 from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.model_runner import ModelRunner
 from vllm_from_scratch.outputs import Logprob
-from vllm_from_scratch.sampler import LogprobsLists
+from vllm_from_scratch.sampler import NO_TOKEN, LogprobsLists
 from vllm_from_scratch.sampling_params import SamplingParams, check_int
 from vllm_from_scratch.step_trace import StepTracer
 
@@ -58,6 +58,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -67,7 +68,8 @@ class RequestOutput:
 
     ``new_token_ids``/``new_text`` are this step's increment; ``completion_token_ids``/``text``
     everything generated so far. ``finish_reason`` is "stop" (a stop token or string), "length"
-    (max_tokens or max_model_len) or "abort", and None while the request runs.
+    (max_tokens or max_model_len), "abort", or "error" (the engine could not go on with the
+    request: :meth:`LLMEngine.step` says when), and None while the request runs.
     ``num_cached_tokens`` are prompt tokens that were not computed (prefix-cache hits).
     ``stop_reason`` says which stop ended a "stop": the stop string or the ``stop_token_ids``
     entry that matched, or None for EOS (and while running), as vLLM's ``CompletionOutput``.
@@ -75,7 +77,8 @@ class RequestOutput:
     this step's), ``cumulative_logprob`` and ``prompt_logprobs`` are vLLM's, None unless the
     request's ``SamplingParams`` asked for them. ``index`` says which of the request's ``n``
     completions the record is about (0 when ``n`` is 1); the fields above are that completion's,
-    and ``prompt_logprobs`` come with completion 0.
+    and ``prompt_logprobs`` come with completion 0. ``error`` says why a request ended with
+    finish reason "error" (None otherwise).
     """
 
     request_id: str
@@ -92,6 +95,7 @@ class RequestOutput:
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     index: int = 0
+    error: str | None = None
 
 
 class IncrementalDetokenizer:
@@ -144,6 +148,7 @@ class EngineRequest(Request):
         priority: int = 0,
         device: torch.device | str = "cpu",
         index: int = 0,
+        stop_token_ids: frozenset[int] | None = None,
     ):
         super().__init__(
             request_id,
@@ -152,7 +157,7 @@ class EngineRequest(Request):
             priority=priority,
             eos_token_id=eos_token_ids,
             ignore_eos=params.ignore_eos,
-            stop_token_ids=params.stop_token_ids or (),
+            stop_token_ids=params.stop_token_ids or () if stop_token_ids is None else stop_token_ids,
             block_size=block_size,
         )
         self.sampling_params = params
@@ -163,6 +168,7 @@ class EngineRequest(Request):
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_token_ids, params.skip_special_tokens)
         self.text = ""  # the decoded output, cut at a stop string
         self.num_text_sent = 0
+        self.error: str | None = None  # why the engine ended it with finish reason "error"
         # vLLM's logprob results, filled step by step (engine.fold_logprobs); None: not asked.
         self.logprobs: list[dict[int, Logprob]] | None = None if params.logprobs is None else []
         self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
@@ -334,6 +340,7 @@ class LLMEngine:
         self.max_model_len = self.config.max_model_len
         self.tokenizer = _load_tokenizer(self.config.model_dir)
         self.eos_token_ids = self._eos_token_ids()
+        self._token_texts: dict[int, str] = {}  # each token decoded alone, for logprobs (at most the vocabulary)
         self.executor = make_executor(
             partial(ModelRunner, self.config), self.config.tensor_parallel_size, self.config.torch_device
         )
@@ -346,7 +353,9 @@ class LLMEngine:
         self.parents: dict[str, ParentRequest] = {}  # n > 1, until every child has reported its end
         self._parent_of: dict[str, ParentRequest] = {}  # child id -> parent, until it reported its end
         self._forking: list[ParentRequest] = []  # parents with parked children
-        self._pending_outputs: list[RequestOutput] = []
+        self._pending_outputs: list[RequestOutput] = []  # reported by the next step (aborts)
+        self._step_outputs: list[RequestOutput] = []  # the step in progress: its outputs so far
+        self._step_requests: list[Request] = []  # ... and the requests it scheduled
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -434,12 +443,21 @@ class LLMEngine:
                 runs_as = f" (its completions run as {child_ids[0]!r}...)" if rid != request_id else ""
                 raise ParameterError("request_id", f"{rid!r} is already in use{runs_as}")
         max_tokens = resolve_max_tokens(params.max_tokens, len(token_ids), self.max_model_len, fit_max_tokens)
+        if params.min_tokens > max_tokens:  # vLLM checks the pair once max_tokens is resolved
+            raise ParameterError(
+                "min_tokens",
+                f"must be less than or equal to max_tokens={max_tokens} (the tokens this request may "
+                f"generate), got {params.min_tokens}",
+            )
         if not child_ids:
             req = self._new_request(request_id, token_ids, params, max_tokens, priority)
             self.scheduler.check_schedulable(req)  # e.g. more KV blocks than the whole cache
             return req
+        # One stop set (EOS included) for every completion, however many ids the client sent.
+        eos = () if params.ignore_eos else self.eos_token_ids
+        stop_token_ids = frozenset(params.stop_token_ids or ()).union(eos)
         children = [
-            self._new_request(rid, token_ids, params.child_params(i), max_tokens, priority, i)
+            self._new_request(rid, token_ids, params.child_params(i), max_tokens, priority, i, stop_token_ids)
             for i, rid in enumerate(child_ids)
         ]
         self.scheduler.check_schedulable(children[0])  # the children differ only in seed
@@ -453,6 +471,7 @@ class LLMEngine:
         max_tokens: int,
         priority: int,
         index: int = 0,
+        stop_token_ids: frozenset[int] | None = None,
     ) -> EngineRequest:
         return EngineRequest(
             request_id,
@@ -465,6 +484,7 @@ class LLMEngine:
             priority,
             self.config.torch_device,
             index,
+            stop_token_ids,
         )
 
     def _check_sampling_support(self, params: SamplingParams) -> None:
@@ -472,6 +492,10 @@ class LLMEngine:
         speculative decoding cannot honour (penalties and ``min_tokens`` change with each
         position, and logprobs would be needed for every accepted draft)."""
         vocab = self.config.vocab_size
+        if params.n > self.config.max_n_sequences:
+            raise ParameterError(
+                "n", f"must be at most {self.config.max_n_sequences} (max_n_sequences), got {params.n}"
+            )
         bad = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad:
             raise ParameterError("logit_bias", f"holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
@@ -479,6 +503,15 @@ class LLMEngine:
             k = getattr(params, name)
             if k is not None and k > vocab:
                 raise ParameterError(name, f"must be at most the vocabulary size ({vocab}), got {k}")
+        banned = {t for t in params.stop_token_ids or () if t < vocab} if params.min_tokens else set()
+        if params.min_tokens and not params.ignore_eos:
+            banned.update(self.eos_token_ids)
+        if len(banned) >= vocab:
+            raise ParameterError(
+                "stop_token_ids",
+                f"cover the whole vocabulary, which min_tokens={params.min_tokens} bans until that many "
+                "tokens are out: no token could be sampled",
+            )
         if self.config.kv_transfer is not None and params.prompt_logprobs is not None:
             # Blocks loaded from the pool skip their prompt positions, as prefix-cache hits would.
             raise ParameterError("prompt_logprobs", "is not supported with a KV pool (kv_transfer_config)")
@@ -557,6 +590,18 @@ class LLMEngine:
         self._report_abort(req)
         return True
 
+    def _fail(self, request_id: str, why: str, outputs: list[RequestOutput]) -> None:
+        """End live request ``request_id`` with finish reason "error" (its blocks go back) and
+        add its last output to ``outputs``."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if not req.is_finished:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+        log.error("request %s ends with an error: %s", request_id, why)
+        req.error = why
+        outputs.append(self._finish(req, "error", []))
+
     def _report_abort(self, req: EngineRequest) -> None:
         self._pending_outputs.append(self._finish(req, "abort", []))
         if self.tracer is not None:
@@ -567,9 +612,17 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, fold the results back; outputs of requests that advanced."""
+        """Schedule, run one forward, fold the results back; outputs of requests that advanced.
+
+        A request whose distribution had no token to draw (``NO_TOKEN`` from the model runner)
+        ends with finish reason "error" (vLLM's; the server's 500) while the others go on. An
+        exception leaves this method as it came; a caller that wants to go on (the server) then
+        calls :meth:`recover_from_failed_step`.
+        """
         start = time.perf_counter() if self.tracer is not None else 0.0
-        outputs, self._pending_outputs = self._pending_outputs, []
+        # What this step reports, kept where recover_from_failed_step finds it if the step raises.
+        outputs = self._step_outputs = self._pending_outputs
+        self._pending_outputs, self._step_requests = [], []
         self._queue_parked_children()
         if self.kv_connector is not None:
             self._load_remote_kv(self.kv_connector)
@@ -577,11 +630,15 @@ class LLMEngine:
             self.drafter.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty():
-            return self._parent_outputs(outputs)
+            return self._end_step()
+        self._step_requests = list(sched.scheduled_requests)
         if self.kv_connector is not None:
             sched.kv_connector_metadata = self.kv_connector.build_connector_meta(sched)
         num_tokens_before = {r.request_id: r.num_tokens for r in sched.sampling_requests}
         sampled = self.executor.call("execute_model", sched)
+        for rid in [rid for rid, tokens in sampled.items() if NO_TOKEN in tokens]:
+            del sampled[rid]
+            self._fail(rid, "no token to draw: every logit was -inf (all banned) or NaN", outputs)
         self.scheduler.update_from_output(sched, sampled)
         self._fold_logprobs(sched)
         for req in sched.sampling_requests:
@@ -593,7 +650,26 @@ class LLMEngine:
             self.drafter.release(sched.finished_request_ids | {o.request_id for o in outputs if o.finished})
         if self.tracer is not None:
             self.tracer.on_step(sched, sampled, outputs, start, time.perf_counter() - start)
+        return self._end_step()
+
+    def _end_step(self) -> list[RequestOutput]:
+        outputs, self._step_outputs, self._step_requests = self._step_outputs, [], []
         return self._parent_outputs(outputs)
+
+    def recover_from_failed_step(self, exc: BaseException) -> list[RequestOutput]:
+        """After :meth:`step` raised ``exc``: end every request that step had scheduled with
+        finish reason "error" (their blocks go back) and return what the step would have
+        reported, those ends included; the engine then serves the rest as before.
+
+        A bug met by one batch costs that batch's requests, not every client's. Under tensor
+        parallelism the ranks may no longer agree after a failed step, so ``exc`` is raised again.
+        """
+        if self.config.tensor_parallel_size > 1:
+            raise exc
+        outputs = self._step_outputs
+        for req in self._step_requests:
+            self._fail(req.request_id, f"its step failed: {exc!r}", outputs)
+        return self._end_step()
 
     def _queue_parked_children(self) -> None:
         """Queue the parked children of each parent whose child 0 has computed its prompt."""
@@ -652,8 +728,15 @@ class LLMEngine:
         ]
 
     def _decode_token(self, token_id: int) -> str | None:
-        """A token decoded alone, as vLLM's ``convert_ids_list_to_tokens`` does."""
-        return None if self.tokenizer is None else str(self.tokenizer.decode([token_id]))
+        """A token decoded alone, as vLLM's ``convert_ids_list_to_tokens`` does; remembered, as
+        a prompt's logprobs name up to 21 tokens per position (86,000 decodes for 4,096 tokens,
+        about a second of the engine thread, which every other client waits for)."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = str(self.tokenizer.decode([token_id]))
+        return text
 
     def _load_remote_kv(self, connector: KVConnectorScheduler) -> None:
         """Bring in the K/V the pool promised at the last admissions, before this step's forward:
@@ -744,6 +827,7 @@ class LLMEngine:
             cumulative_logprob=req.cumulative_logprob,
             prompt_logprobs=req.prompt_logprobs,
             index=req.index,
+            error=req.error,
         )
 
     # ------------------------------------------------------------------ observation

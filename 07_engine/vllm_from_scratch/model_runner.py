@@ -8,6 +8,7 @@ rejection sampler (07_engine/README.md, "Model runner").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,12 +28,16 @@ from vllm_from_scratch.layers.attention import Attention, AttentionMetadata
 from vllm_from_scratch.layers.prepacked import prepack_model
 from vllm_from_scratch.loader import get_model
 from vllm_from_scratch.sampler import (
+    NO_TOKEN,
     LogprobsLists,
+    ProcessorEntries,
     Sampler,
     SamplingTensors,
     apply_logits_processors,
     exponential_noise,
     gather_logprobs,
+    keep_in_vocabulary,
+    resolve_infinite_logits,
 )
 from vllm_from_scratch.sampling_params import SamplingParams
 
@@ -65,6 +70,68 @@ def kv_cache_budget(total: int, free: int, activation_peak: int, utilization: fl
     return max(int(total * utilization) - (total - free) - activation_peak - graph_pool, 0)
 
 
+class MemoryProbes(Protocol):
+    """The allocator statistics the KV cache is sized from on a GPU (``torch.cuda``'s, read by
+    :class:`CudaMemoryProbes`). Anything with these methods will do: the CPU tests pass a stand-in
+    with chosen numbers, so that the sizing runs in CI through the runner's own constructor."""
+
+    def synchronize(self) -> None: ...
+
+    def empty_cache(self) -> None: ...
+
+    def reset_peak_memory_stats(self) -> None: ...
+
+    def memory_allocated(self) -> int: ...
+
+    def max_memory_allocated(self) -> int: ...
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of the card."""
+        ...
+
+
+class CudaMemoryProbes:
+    """:class:`MemoryProbes` of one CUDA device, read from ``torch.cuda``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def max_memory_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(self.device)
+
+
+@dataclass(frozen=True)
+class GPUPlatform:
+    """What a runner does on a GPU beyond placing its tensors there: it sizes the KV cache from
+    the allocator's measurements (``memory``) and, unless ``enforce_eager``, replays decode steps
+    from captured graphs (``cuda_graphs``; False captures stand-ins that replay eagerly,
+    ``cuda_graph.py``). :meth:`for_device` gives the CUDA one; a CPU runner given a stand-in takes
+    every GPU branch whose logic is not CUDA itself, which is how CI runs them."""
+
+    memory: MemoryProbes
+    cuda_graphs: bool = True
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> GPUPlatform | None:
+        """The platform of ``device``: CUDA's probes and graphs, None on a CPU."""
+        return cls(CudaMemoryProbes(device)) if device.type == "cuda" else None
+
+
 def _params(req: Request) -> SamplingParams:
     """The engine schedules its own requests (``EngineRequest``), which carry sampling settings."""
     return req.sampling_params  # type: ignore[attr-defined]
@@ -84,13 +151,25 @@ class PromptRows:
 
 class ModelRunner:
     """Owns the model weights, the KV cache and the sampler of one (tensor-parallel) rank:
-    ``tp_rank`` in ``tp_group`` when ``config.tensor_parallel_size > 1``."""
+    ``tp_rank`` in ``tp_group`` when ``config.tensor_parallel_size > 1``.
 
-    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_group: dist.ProcessGroup | None = None):
+    ``gpu`` is the :class:`GPUPlatform` (default: the device's own, None on a CPU): with one, the
+    KV cache is sized by profiling the largest steps and decode steps replay captured graphs;
+    without, the cache is ``cpu_kvcache_space_gib`` and the forward is compiled by inductor.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tp_rank: int = 0,
+        tp_group: dist.ProcessGroup | None = None,
+        gpu: GPUPlatform | None = None,
+    ):
         self.config = config
         self.device = config.torch_device
         if self.device.type == "cuda" and config.tensor_parallel_size > 1:
             self.device = torch.device("cuda", tp_rank)  # rank r owns GPU r, whatever "cuda:N" said
+        self.gpu = gpu if gpu is not None else GPUPlatform.for_device(self.device)
         self.block_size = config.kvcache_block_size
         self.tp_group = tp_group
         self.model = get_model(
@@ -107,6 +186,9 @@ class ModelRunner:
         for attn in self.attn_layers:
             attn.backend = config.attention_backend
         self.sampler = Sampler()
+        # Each live request's logit_bias and min_tokens entries as tensors, built when it first
+        # samples and dropped once the scheduler reports it finished (rank 0 samples).
+        self.processor_entries: dict[str, ProcessorEntries] = {}
         # The last step's log-probabilities, for the engine (take_logprobs).
         self.sample_logprobs: dict[str, LogprobsLists] = {}
         self.prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = {}
@@ -114,19 +196,22 @@ class ModelRunner:
         self.rejection_sampler = (
             rejection_sample_triton if self.device.type == "cuda" and HAS_TRITON else rejection_sample
         )
+        # Sizing the cache on a GPU runs the largest steps through _forward, eagerly: the graphs
+        # and the compiled forward are made after it, for the cache it sizes.
+        self.graph_runner: CUDAGraphRunner | None = None
+        self.compiled_forward: CompiledForward | None = None
         self.kv_cache: torch.Tensor  # [2, layers, blocks, block_size, kv_heads, head_dim], set by the next line
-        self.memory_profile: dict[str, int] = {}  # what profile_gpu_memory measured (CUDA, no num_kvcache_blocks)
+        self.memory_profile: dict[str, int] = {}  # what profile_gpu_memory measured (GPU, no num_kvcache_blocks)
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.kv_worker = KVConnectorWorker(config, tp_rank, self.kv_cache) if config.kv_transfer else None
-        self.graph_runner = (
-            self.capture_cudagraph() if self.device.type == "cuda" and not config.enforce_eager else None
-        )
-        self.compiled_forward = (
-            CompiledForward.load_or_compile(config, self.model, self.kv_cache) if config.compiles else None
-        )
+        if self.gpu is not None and not config.enforce_eager:
+            self.graph_runner = self.capture_cudagraph()
+        if self.gpu is None and config.compiles:
+            self.compiled_forward = CompiledForward.load_or_compile(config, self.model, self.kv_cache)
 
     def capture_cudagraph(self) -> CUDAGraphRunner:
         """Capture decode CUDA graphs (``cuda_graph.py``); every rank captures its own."""
+        assert self.gpu is not None, "decode graphs are a GPU platform's"
         cfg = self.config
         runner = CUDAGraphRunner(
             self.model,
@@ -136,6 +221,7 @@ class ModelRunner:
             cfg.hf_config.hidden_size,
             cfg.torch_dtype,
             self.device,
+            use_cuda_graph=self.gpu.cuda_graphs,
         )
         runner.capture()
         return runner
@@ -148,7 +234,7 @@ class ModelRunner:
 
     def _num_blocks_from_memory(self) -> int:
         cfg = self.config
-        if self.device.type == "cuda":
+        if self.gpu is not None:
             budget = self.profile_gpu_memory()["kv_budget"]
         else:
             # A CPU has no allocator statistics to measure a step's peak against; like vLLM's
@@ -168,11 +254,18 @@ class ModelRunner:
         the token budget as prompts of up to ``max_model_len`` tokens, then the most rows a step
         can sample through the logits and the sampler with top-k and top-p (the sort over
         ``[rows, vocab]`` float32 is the largest transient), recording the allocator's peak above
-        the weights. When decode graphs will be captured, a decode forward at the largest
-        captured batch measures the graph pool too. Keeps and returns every number
+        the weights (``self.gpu.memory``). When decode graphs will be captured, a decode forward
+        at the largest captured batch measures the graph pool too. Keeps and returns every number
         (``memory_profile``); ``kv_budget`` is :func:`kv_cache_budget` of them.
+
+        The constructor calls it, before any graph exists: a captured graph holds the addresses
+        of the cache this frees.
         """
-        cfg = self.config
+        if self.gpu is None:
+            raise RuntimeError("profile_gpu_memory needs a GPUPlatform: a CPU's cache is cpu_kvcache_space_gib")
+        if self.graph_runner is not None or self.compiled_forward is not None:
+            raise RuntimeError("profile_gpu_memory runs before the decode graphs are captured (they hold the cache)")
+        memory, cfg = self.gpu.memory, self.config
         budget = cfg.max_num_batched_tokens
         longest = min(budget, cfg.max_model_len)
         prompts = [longest] * (budget // longest) + [budget % longest] * bool(budget % longest)
@@ -182,29 +275,29 @@ class ModelRunner:
         self._bind_kv_cache(
             allocate_kv_cache(layers, cdiv(longest, block_size), block_size, kv_heads, head_dim, dtype, self.device)
         )
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)  # weights + the scratch cache
+        memory.synchronize()
+        memory.empty_cache()
+        memory.reset_peak_memory_stats()
+        base = memory.memory_allocated()  # weights + the scratch cache
         self._dummy_forward(prompts, context=0, shared_blocks=True)
         logits = self._dummy_forward([1] * sample_rows, context=0, shared_blocks=True)
         if logits is not None:  # only rank 0 samples under tensor parallelism
             rows = torch.ones(sample_rows, device=self.device)
             self.sampler(logits, rows, torch.full_like(rows, 50, dtype=torch.long), rows * 0.9)
             del logits
-        torch.cuda.synchronize(self.device)
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - base
+        memory.synchronize()
+        activation_peak = memory.max_memory_allocated() - base
         graph_pool = 0
         if not cfg.enforce_eager:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            memory.reset_peak_memory_stats()
             self._dummy_forward([1] * min(cfg.max_num_seqs, MAX_CAPTURE_SIZE), 0, shared_blocks=True, logits=False)
-            torch.cuda.synchronize(self.device)
-            graph_pool = torch.cuda.max_memory_allocated(self.device) - base
+            memory.synchronize()
+            graph_pool = memory.max_memory_allocated() - base
         del self.kv_cache
         for attn in self.attn_layers:
-            attn.k_cache = attn.v_cache = torch.tensor([])
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
+            attn.k_cache = attn.v_cache = torch.empty(0, device=self.device)
+        memory.empty_cache()
+        free, total = memory.mem_get_info()
         self.memory_profile = {
             "total": total,
             "free": free,
@@ -323,8 +416,10 @@ class ModelRunner:
         """Run one scheduled step: ``{request_id: tokens}`` for every request that samples.
 
         ``tokens`` is one sampled token, or, after ``k`` drafts, the accepted drafts followed by
-        one recovered or bonus token. Ranks other than 0 return ``{}``. The log-probabilities
-        that requests asked for wait in :meth:`take_logprobs` until the next step.
+        one recovered or bonus token; ``[NO_TOKEN]`` for a request whose distribution had no token
+        to draw (:func:`sampler.resolve_infinite_logits`), and every id is checked against the
+        vocabulary (:func:`sampler.keep_in_vocabulary`). Ranks other than 0 return ``{}``. The
+        log-probabilities that requests asked for wait in :meth:`take_logprobs` until the next step.
         """
         self.sample_logprobs, self.prompt_logprobs = {}, {}
         info = SchedulerInfo.from_scheduler_output(scheduler_output)
@@ -339,19 +434,30 @@ class ModelRunner:
         if logits is None or logits.shape[0] == 0:
             return {}
         sampling_requests = [r for r, n in zip(scheduler_output.scheduled_requests, info.num_sample_rows) if n]
+        for rid in scheduler_output.finished_request_ids:
+            self.processor_entries.pop(rid, None)
         sampling = SamplingTensors.from_requests(
-            scheduler_output.scheduled_requests, info.num_sample_rows, logits.shape[-1], logits.device
+            scheduler_output.scheduled_requests,
+            info.num_sample_rows,
+            logits.shape[-1],
+            logits.device,
+            self.processor_entries,
         )
         # vLLM V1 returns the raw distribution's logprobs: taken before the processors.
         num_logprobs = [_params(r).logprobs for r in sampling_requests]
         want = [i for i, k in enumerate(num_logprobs) if k is not None]
         raw_logprobs = logits[want].log_softmax(dim=-1) if want else None
         logits = apply_logits_processors(logits, sampling)
-        if any(info.num_spec):
-            return self.verify_drafts(logits, sampling, info)
+        if self.config.speculative is not None:
+            # Every step of a speculating engine, drafts or none: a seeded request's generator is
+            # then consumed the same way whether or not the rest of its batch drafted this step.
+            return self._verify_drafts_checked(logits, sampling, info)
         sampled = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps, sampling.generators)
+        sampled = keep_in_vocabulary(sampled, self.config.vocab_size)
         if raw_logprobs is not None:
-            lists = gather_logprobs(raw_logprobs, sampled[want], [num_logprobs[i] or 0 for i in want])
+            # A NO_TOKEN row's request ends in error: its logprobs are scored at id 0 and dropped.
+            scored = sampled[want].clamp(min=0)
+            lists = gather_logprobs(raw_logprobs, scored, [num_logprobs[i] or 0 for i in want])
             for j, i in enumerate(want):
                 self.sample_logprobs[sampling.request_ids[i]] = LogprobsLists(
                     lists.token_ids[j : j + 1], lists.logprobs[j : j + 1], lists.ranks[j : j + 1]
@@ -431,6 +537,21 @@ class ModelRunner:
             dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=self.tp_group)
             loaded = dict(zip(loaded, counts.tolist()))
         return {rid: n * self.block_size for rid, n in loaded.items()}
+
+    def _verify_drafts_checked(
+        self, logits: torch.Tensor, sampling: SamplingTensors, info: SchedulerInfo
+    ) -> dict[str, list[int]]:
+        """:meth:`verify_drafts` on logits whose ``+inf`` rows are resolved; a request with a row
+        that has no token to draw, or an emitted id outside the vocabulary, gets ``[NO_TOKEN]``."""
+        logits, has_token = resolve_infinite_logits(logits)
+        rows_per_request = [n for n in info.num_sample_rows if n]
+        drawable = [bool(rows.all()) for rows in has_token.split(rows_per_request)]
+        verified = self.verify_drafts(logits, sampling, info)
+        vocab = self.config.vocab_size
+        return {
+            rid: tokens if ok and all(0 <= t < vocab for t in tokens) else [NO_TOKEN]
+            for (rid, tokens), ok in zip(verified.items(), drawable)
+        }
 
     def verify_drafts(
         self, logits: torch.Tensor, sampling: SamplingTensors, info: SchedulerInfo

@@ -50,7 +50,8 @@ class CompletionOutput:
             the ``SamplingParams.logprobs`` most likely ones (``logprobs`` or ``logprobs + 1``
             entries, as the sampled token is among them or not); None unless requested.
         finish_reason: "stop" (EOS, a stop token or a stop string), "length" (``max_tokens`` or
-            ``max_model_len``) or "abort".
+            ``max_model_len``), "abort", or "error" (the engine could not go on with it: its
+            distribution had no token to draw, or its step failed; the server's 500).
         stop_reason: the stop string or ``stop_token_ids`` entry that ended it; None for EOS,
             a length stop or an abort.
     """

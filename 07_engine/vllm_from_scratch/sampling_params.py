@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-import dataclasses
+import copy
+import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_from_scratch.errors import ParameterError
 
+log = logging.getLogger(__name__)
+
 INT64_MAX = 2**63 - 1
+# vLLM's bounds on temperature: at most 2, and a positive temperature below 0.01 is raised to
+# 0.01 (logits divided by less overflow float32 into inf and NaN); 0 means greedy.
+MAX_TEMPERATURE = 2.0
+MIN_POSITIVE_TEMPERATURE = 1e-2
 
 
 def check_int(name: str, value: object, low: int, high: int = INT64_MAX) -> None:
@@ -28,6 +36,12 @@ def check_float(name: str, value: object, low: float, high: float = math.inf, lo
     if value > high or value < low or (value == low and not low_inclusive):
         bracket = "[" if low_inclusive else "("
         raise ParameterError(name, f"must be in {bracket}{low}, {high}], got {value}")
+
+
+def _all_token_ids(ids: Iterable[object]) -> bool:
+    """Whether every item is an int token id in ``[0, INT64_MAX]``: one pass at C speed for the
+    long ``stop_token_ids`` and ``logit_bias`` a body may hold (:func:`check_int` names a bad one)."""
+    return all(type(t) is int and 0 <= t <= INT64_MAX for t in ids)  # type(t) is int: no bools
 
 
 def _token_key(key: object) -> Any:
@@ -54,7 +68,8 @@ class SamplingParams:
     Args:
         n: completions to sample for the prompt (>= 1), returned in ``RequestOutput.outputs``
             in index order. Each runs as its own request: :meth:`child_params` gives its settings.
-        temperature: softmax temperature; below 1e-5 means greedy (argmax). vLLM's default 1.0.
+        temperature: softmax temperature in [0, 2]; 0 means greedy (argmax), and a positive
+            temperature below 0.01 is raised to 0.01 with a warning, as vLLM does. Default 1.0.
         top_p: keep the smallest set of tokens whose probability reaches ``top_p``; in (0, 1].
         top_k: keep the ``top_k`` most likely tokens; -1 (or 0) keeps all.
         max_tokens: new tokens to generate at most (>= 1); None: until ``max_model_len``.
@@ -127,10 +142,18 @@ class SamplingParams:
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {_token_key(k): _clamp_bias(v) for k, v in self.logit_bias.items()}
         self.validate()
+        if 0 < self.temperature < MIN_POSITIVE_TEMPERATURE:
+            log.warning(
+                "temperature %s is less than %s, which may cause numerical errors (nan or inf); raised to %s",
+                self.temperature,
+                MIN_POSITIVE_TEMPERATURE,
+                MIN_POSITIVE_TEMPERATURE,
+            )
+            self.temperature = MIN_POSITIVE_TEMPERATURE
 
     def validate(self) -> None:
         check_int("n", self.n, 1)
-        check_float("temperature", self.temperature, 0.0)
+        check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         check_float("top_p", self.top_p, 0.0, 1.0, low_inclusive=False)
         check_int("top_k", self.top_k, -1)
         if self.max_tokens is not None:
@@ -143,8 +166,9 @@ class SamplingParams:
             raise ParameterError("stop", f"must be non-empty strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise ParameterError("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
-        for t in self.stop_token_ids:
-            check_int("stop_token_ids", t, 0)
+        if not _all_token_ids(self.stop_token_ids):  # the loop names the bad one
+            for t in self.stop_token_ids:
+                check_int("stop_token_ids", t, 0)
         if self.seed is not None:
             check_int("seed", self.seed, -(2**63), 2**64 - 1)
             if self.seed + self.n - 1 > 2**64 - 1:
@@ -162,9 +186,11 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ParameterError("logit_bias", f"must be a dict of token id to bias, got {self.logit_bias!r}")
-            for token, bias in self.logit_bias.items():
-                check_int("logit_bias", token, 0)
-                check_float("logit_bias", bias, -100.0, 100.0)
+            biases = self.logit_bias.values()
+            if not _all_token_ids(self.logit_bias) or not all(type(b) is float and -100 <= b <= 100 for b in biases):
+                for token, bias in self.logit_bias.items():  # names the bad entry
+                    check_int("logit_bias", token, 0)
+                    check_float("logit_bias", bias, -100.0, 100.0)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 0)
@@ -180,12 +206,14 @@ class SamplingParams:
         once (vLLM scores it in every child) and the other completions may take prefix-cache hits.
         """
         check_int("index", index, 0, self.n - 1)
-        return dataclasses.replace(
-            self,
-            n=1,
-            seed=None if self.seed is None else self.seed + index,
-            prompt_logprobs=self.prompt_logprobs if index == 0 else None,
-        )
+        # A copy, not dataclasses.replace: the fields are valid already, and validating a child
+        # again walks every logit_bias and stop_token_ids entry once per completion (4 s for 64
+        # completions of a 49k-entry logit_bias). The children share those collections.
+        child = copy.copy(self)
+        child.n = 1
+        child.seed = None if self.seed is None else self.seed + index
+        child.prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return child
 
     @property
     def uses_penalties(self) -> bool:

@@ -1,8 +1,8 @@
 """Serve a model over the OpenAI API: ``python -m vllm_from_scratch.serve [MODEL_DIR] --port N``.
 
-The engine's flags come from :class:`config.EngineConfig` (in vLLM's spellings); the server's
-own are here: where it listens, the API key (``--api-key`` or ``VLLM_API_KEY``, as in vLLM) and
-the request-size limit.
+The engine's flags come from :class:`config.EngineConfig` (in vLLM's spellings) and the
+request limits' from :class:`config.ServingLimits`; the server's own are here: where it listens,
+the API key (``--api-key`` or ``VLLM_API_KEY``, as in vLLM) and the request-size limit.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import os
 from typing import Any
 
-from vllm_from_scratch.config import EngineConfig
+from vllm_from_scratch.config import EngineConfig, ServingLimits
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="refuse larger request bodies with a 413 before parsing them (default: "
         "128 bytes per token of --max-model-len, plus 64 KiB)",
     )
+    ServingLimits.add_cli_args(parser)
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args(argv)
     if args.model and args.model_option and args.model != args.model_option:
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         api_key=api_key,
         max_request_bytes=args.max_request_bytes,
         default_sampling_params=sampling_defaults(args, model_dir),
+        limits=ServingLimits.from_cli_args(args),
     )
     auth = "API key required" if api_key else "no API key"
     log.info("serving %s on http://%s:%d/v1 (%s)", model_dir, args.host, args.port, auth)

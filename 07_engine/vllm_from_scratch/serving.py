@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import threading
 from collections.abc import AsyncIterator, Mapping
@@ -21,10 +22,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from vllm_from_scratch.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from vllm_from_scratch.chat_utils import render_chat
+from vllm_from_scratch.config import ServingLimits
 from vllm_from_scratch.engine import RequestOutput, encode_prompt
 from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.openai_logprobs import LogprobEntry, LogprobsRenderer, padded, prompt_logprobs_json
@@ -49,11 +51,10 @@ if TYPE_CHECKING:
     from vllm_from_scratch.outputs import Logprob
 
 OpenAIRequest: TypeAlias = CompletionRequest | ChatCompletionRequest
-# Request bodies prepared at once. Two: one long body does not hold up every other client's
-# request, and the bodies being tokenized together (each up to the size limit) stay few.
+# Request bodies prepared (and whole responses rendered) at once. Two: one long body does not
+# hold up every other client's request, and the bodies being tokenized together (each up to the
+# size limit) stay few.
 PREPARE_WORKERS = 2
-# vLLM's default --max-logprobs: the most top logprobs a request may ask for per token.
-MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -157,7 +158,8 @@ class Choices:
 
     def update(self, prompt_index: int, out: RequestOutput) -> int:
         """Fold ``out`` (an output of prompt ``prompt_index``'s request) into its choice; returns
-        the choice's index."""
+        the choice's index. An output with finish reason "error" raises (:func:`raise_if_error`)."""
+        raise_if_error(out)
         i = prompt_index * self.n + out.index
         self.items[i].update(out)
         return i
@@ -168,6 +170,13 @@ class Choices:
             sum(c.completion_tokens for c in self.items),
             sum(p.cached_tokens for p in self.prompts),
         )
+
+
+def raise_if_error(out: RequestOutput) -> None:
+    """vLLM's rule for finish reason "error": the engine could not go on with the request, and
+    the response is a 500 (an error event in a stream) rather than a choice cut short."""
+    if out.finish_reason == "error":
+        raise APIError(f"Internal server error: {out.error or 'the engine ended the request'}", status_code=500)
 
 
 def api_error(exc: ValueError, field_names: dict[str, str]) -> APIError:
@@ -184,10 +193,11 @@ class OpenAIServing:
     ``tokenizer`` is the server's own instance, used from worker threads while the engine
     thread uses the engine's. ``default_sampling_params`` are the model's own sampling defaults
     (:func:`generation_config_defaults`), for requests that leave a field unset.
-    ``vocab_size`` and ``max_model_len`` are the engine's, for its prompt checks;
-    ``max_logprobs`` caps the top logprobs a request may ask for per token. Bodies are prepared
-    in :data:`PREPARE_WORKERS` threads at the lowest CPU priority (:func:`lowest_cpu_priority`):
-    the requests already running come first.
+    ``vocab_size`` and ``max_model_len`` are the engine's, for its prompt checks; ``limits``
+    bound what one request may ask for (:class:`config.ServingLimits`). Bodies are prepared, and
+    whole responses rendered, in :data:`PREPARE_WORKERS` threads at the lowest CPU priority
+    (:func:`lowest_cpu_priority`): the requests already running come first, and the event loop
+    that streams every client's tokens only reads and routes.
     """
 
     def __init__(
@@ -199,11 +209,11 @@ class OpenAIServing:
         vocab_size: int,
         default_sampling_params: Mapping[str, Any] | None = None,
         scheduling_policy: str = "fcfs",
-        max_logprobs: int = MAX_LOGPROBS,
+        limits: ServingLimits | None = None,
     ) -> None:
         self.llm = llm
         self.scheduling_policy = scheduling_policy
-        self.max_logprobs = max_logprobs
+        self.limits = limits or ServingLimits()
         self.default_sampling_params = dict(default_sampling_params or {})
         self.served_model_name = served_model_name
         self.tokenizer = tokenizer
@@ -227,20 +237,52 @@ class OpenAIServing:
         """The body's ``SamplingParams``, its prompts' token ids, both checked by the engine's
         own code (:func:`engine.encode_prompt`), and the prompts' text where ``echo`` shows it
         (else None); run in a worker thread."""
+        limits = self.limits
         try:
             params = SamplingParams(**body.sampling_kwargs(self.default_sampling_params))
+            if len(params.stop or ()) > limits.max_stop_strings:
+                raise APIError(
+                    f"stop holds {len(params.stop or ())} strings; this server takes at most "
+                    f"{limits.max_stop_strings} (max_stop_strings)",
+                    param="stop",
+                )
             if isinstance(body, ChatCompletionRequest):
                 prompts: list[str | list[int]] = [self.render_chat(body.conversation(), **body.chat_options())]
             else:
                 prompts = body.prompts()
+                if len(prompts) > limits.max_completion_prompts:
+                    raise APIError(
+                        f"prompt holds {len(prompts)} prompts; this server takes at most "
+                        f"{limits.max_completion_prompts} in one request (max_completion_prompts)",
+                        param="prompt",
+                    )
             ids = [
                 encode_prompt(self.tokenizer, p, self.vocab_size, self.max_model_len, params.truncate_prompt_tokens)
                 for p in prompts
             ]
         except ValueError as exc:
             raise api_error(exc, body.field_names) from exc
+        self.check_response_size(body, params, [len(i) for i in ids])
         echo = isinstance(body, CompletionRequest) and body.echo
         return params, ids, [self.prompt_text(p, i) for p, i in zip(prompts, ids)] if echo else None
+
+    def check_response_size(self, body: OpenAIRequest, params: SamplingParams, prompt_lens: list[int]) -> None:
+        """A 400 before any work when the response could carry more than
+        ``max_response_logprobs`` logprob entries (:func:`response_logprobs`), naming the field
+        that asks for most of them."""
+        parts = response_logprobs(body, params, prompt_lens, self.max_model_len)
+        total = sum(parts.values())
+        limit = self.limits.max_response_logprobs
+        if total <= limit:
+            return
+        field = max(parts, key=lambda name: parts[name])
+        shown = ", ".join(f"{name}: {count:,}" for name, count in parts.items() if count)
+        raise APIError(
+            f"this request's response could carry {total:,} logprob entries ({shown}; n={params.n}); this "
+            f"server sends at most {limit:,} in one response (max_response_logprobs): ask for fewer "
+            "completions, tokens or logprobs",
+            param=field,
+        )
 
     def prompt_text(self, prompt: str | list[int], token_ids: list[int]) -> str:
         """A prompt's text as ``echo`` shows it: as given, or its token ids decoded (special
@@ -333,7 +375,7 @@ class OpenAIServing:
         """Either endpoint: the two differ only in ids, object names and the body of a choice."""
         self.check_model(body.model)
         body.check_supported()
-        body.check_logprobs(self.max_logprobs)
+        body.check_logprobs(self.limits.max_logprobs)
         if body.priority and self.scheduling_policy != "priority":
             # vLLM refuses it too: under fcfs a priority would be accepted and ignored.
             raise APIError(
@@ -356,20 +398,10 @@ class OpenAIServing:
             events = self._events(streams, choices, header, body, renderer)
             return StreamingResponse(events, media_type="text/event-stream")
         await collect_or_abort(raw, streams, choices.update)
-        # vLLM's prompt_logprobs: on each choice of the prompt for completions, beside the choices for chat.
         scored = params.prompt_logprobs is not None
-        results = []
-        for i, c in enumerate(choices.items):
-            text, ids, entries, _ = c.take()
-            content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-            logprobs = render_logprobs(renderer, chat, ids, entries)
-            results.append(choice(i, c.finish_reason, content, c.stop_reason, logprobs))
-            if scored and not chat:
-                results[-1]["prompt_logprobs"] = c.prompt_logprobs_field()
-        response = {**header, "choices": results, "usage": choices.usage()}
-        if scored and chat:
-            response["prompt_logprobs"] = choices.items[0].prompt_logprobs_field()
-        return JSONResponse(response)
+        loop = asyncio.get_running_loop()
+        content = await loop.run_in_executor(self.executor, render_response, header, choices, renderer, chat, scored)
+        return Response(content, media_type="application/json")
 
     async def _events(
         self,
@@ -409,6 +441,71 @@ class OpenAIServing:
         if body.include_usage:
             yield sse({**header, "choices": [], "usage": choices.usage()})
         yield SSE_DONE
+
+
+def dumps(value: Any) -> str:
+    """JSON as the responses send it: compact, UTF-8 text, no NaN (Starlette's JSONResponse's)."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def render_response(
+    header: dict[str, Any], choices: Choices, renderer: LogprobsRenderer | None, chat: bool, scored: bool
+) -> bytes:
+    """A whole (non-streamed) response's JSON, rendered choice by choice in a worker thread.
+
+    One ``json.dumps`` of the whole response holds the GIL, and so the event loop that streams
+    every other client's tokens, for as long as the biggest response takes (seconds for tens of
+    megabytes of logprobs). Rendered piece by piece, the longest hold is one choice; and a
+    prompt's ``prompt_logprobs``, which vLLM repeats on each of its completions' choices, are
+    rendered once and the same text is put in each. The layout is vLLM's: ``prompt_logprobs``
+    on each choice for completions, beside the choices for chat.
+    """
+    rendered_prompts: dict[int, str] = {}
+
+    def prompt_logprobs(c: Choice) -> str:
+        key = id(c.prompt)
+        if key not in rendered_prompts:
+            rendered_prompts[key] = dumps(c.prompt_logprobs_field())
+        return rendered_prompts[key]
+
+    pieces = []
+    for i, c in enumerate(choices.items):
+        text, ids, entries, _ = c.take()
+        content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        piece = dumps(choice(i, c.finish_reason, content, c.stop_reason, render_logprobs(renderer, chat, ids, entries)))
+        if scored and not chat:
+            piece = f'{piece[:-1]},"prompt_logprobs":{prompt_logprobs(c)}}}'
+        pieces.append(piece)
+    tail = f',"usage":{dumps(choices.usage())}'
+    if scored and chat:
+        tail += f',"prompt_logprobs":{prompt_logprobs(choices.items[0])}'
+    return f'{dumps(header)[:-1]},"choices":[{",".join(pieces)}]{tail}}}'.encode()
+
+
+def response_logprobs(
+    body: OpenAIRequest, params: SamplingParams, prompt_lens: list[int], max_model_len: int
+) -> dict[str, int]:
+    """The most logprob entries a response to ``body`` can carry, by the field that asks for
+    them: each token shown with logprobs counts 1 + its top logprobs.
+
+    The generated tokens' (``logprobs``, chat's ``top_logprobs``): ``n`` choices per prompt, each
+    up to ``max_tokens`` (None: the context the prompt leaves). The echoed prompt's
+    (completions' ``echo`` with logprobs), once per choice. ``prompt_logprobs``: once per choice
+    for completions, once per response for chat, as vLLM lays them out.
+    """
+    chat = isinstance(body, ChatCompletionRequest)
+    echo = isinstance(body, CompletionRequest) and bool(body.echo)
+    n = params.n
+    generated = echoed = scored = 0
+    if params.logprobs is not None and not (isinstance(body, CompletionRequest) and body.echo_only):
+        per_token = 1 + params.logprobs
+        generated = n * sum(per_token * (params.max_tokens or max_model_len - length) for length in prompt_lens)
+    if echo and body.num_logprobs is not None:
+        echoed = n * (1 + body.num_logprobs) * sum(prompt_lens)
+    if params.prompt_logprobs is not None and not body.stream:  # a stream cannot show the field
+        per_prompt = (1 + params.prompt_logprobs) * sum(prompt_lens)
+        scored = per_prompt if chat else n * per_prompt
+    return {body.num_logprobs_field: generated, "echo": echoed, "prompt_logprobs": scored}
 
 
 def choice(

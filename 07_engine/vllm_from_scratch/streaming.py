@@ -80,6 +80,8 @@ async def stream_events(
                 yield chunk
     except EngineDeadError as exc:
         yield sse(error_body(str(exc), "server_error"))
+    except APIError as exc:  # a request the engine ended with an error (serving.raise_if_error)
+        yield sse(exc.body())
     finally:  # also the disconnect path: Starlette cancels this generator at its await
         for s in streams:
             s.abort()

@@ -13,12 +13,16 @@ from chunked_prefill import BatchInputs, SchedulerInfo, build_batch_inputs
 from scheduler import Request, SchedulerOutput
 from spec_decode import RejectionNoise, num_accepted_tokens, pad_draft_token_ids, rejection_sample
 from vllm_from_scratch.sampler import (
+    NO_TOKEN,
     LogprobsLists,
+    ProcessorEntries,
     Sampler,
     SamplingTensors,
     apply_logits_processors,
     exponential_noise,
     gather_logprobs,
+    keep_in_vocabulary,
+    resolve_infinite_logits,
 )
 
 
