@@ -19,17 +19,21 @@ inputs, and compares what they return, what they raise and what they leave behin
 
         differential.run(check, examples=200)
 
-``check(rng)`` draws everything from ``rng``, a ``random.Random``. Two ways to make it, chosen by
-``--draw`` (or ``$VLLM_FS_DRAW``), both reproducible from one run to the next:
+``check(rng)`` draws everything from ``rng``, a ``random.Random``. Three ways to make it, chosen by
+``--draw`` (or ``$VLLM_FS_DRAW``), all reproducible from one run to the next:
 
-* ``hypothesis`` (the default): Hypothesis's ``st.randoms()``, whose draws come from Hypothesis:
-  simple inputs first, then biased towards the ends of every range (empty batches, the largest
-  block, a zero). Fixed seed, no example database, and no shrinking: a failing input is reported
-  as drawn, so a wrong answer costs one failing example, not minutes of shrinking a workload.
+* ``hypothesis``: Hypothesis's ``st.randoms()``, whose draws come from Hypothesis: simple inputs
+  first, then biased towards the ends of every range (empty batches, the largest block, a zero).
+  Fixed seed, no example database, and no shrinking: a failing input is reported as drawn, so a
+  wrong answer costs one failing example, not minutes of shrinking a workload.
 * ``random``: ``random.Random(seed)`` for seeds 0, 1, 2, ... (uniform draws, no shrinking).
+* ``both`` (the default): the first half of the examples from Hypothesis, the rest from
+  ``random.Random(seed)``. Each finds wrong answers the other misses: Hypothesis the ends of a
+  range, uniform draws the combinations in the middle (a decode with three drafts when two tokens
+  of budget are left).
 
-``exercises/mistakes.py --only differential`` measures which finds more of the catalogue of
-wrong answers; the README gives the figures.
+``exercises/mistakes.py --compare-draws`` measures how much of the catalogue of wrong answers each
+finds; the README gives the figures.
 
 With ``--impl=reference`` the two sides are the same function, so the comparison always holds;
 the run then checks that every drawn input is one the book accepts, on a tenth of the examples.
@@ -45,8 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
-DRAWS = ("hypothesis", "random")
-DEFAULT_DRAW = "hypothesis"
+DRAWS = ("both", "hypothesis", "random")
+DEFAULT_DRAW = "both"
 
 
 @dataclass
@@ -222,13 +226,24 @@ class Differential:
     def run(self, check: Callable[[random.Random], None], examples: int) -> None:
         """Run ``check`` on ``examples`` drawn inputs (a tenth of them with the reference)."""
         n = examples if self.impl == "student" else max(2, examples // 10)
-        if self.draw == "random":
-            for seed in range(n):
-                try:
-                    check(random.Random(seed))
-                except AssertionError as exc:
-                    raise AssertionError(f"{exc}\n(inputs drawn by random.Random({seed}))") from None
-            return
+        if self.draw == "both":
+            self._hypothesis(check, (n + 1) // 2)
+            self._random(check, n // 2)
+        elif self.draw == "random":
+            self._random(check, n)
+        else:
+            self._hypothesis(check, n)
+
+    @staticmethod
+    def _random(check: Callable[[random.Random], None], n: int) -> None:
+        for seed in range(n):
+            try:
+                check(random.Random(seed))
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n(inputs drawn by random.Random({seed}))") from None
+
+    @staticmethod
+    def _hypothesis(check: Callable[[random.Random], None], n: int) -> None:
         from hypothesis import HealthCheck, Phase, given, settings
         from hypothesis import strategies as st
 

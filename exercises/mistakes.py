@@ -159,8 +159,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--compare-draws",
         action="store_true",
-        help="also grade the differential tests alone with the other way of drawing inputs "
-        f"({' or '.join(ep.harness.DRAWS)}) and print its figure",
+        help="also grade the differential tests alone with each other way of drawing inputs "
+        f"({', '.join(ep.harness.DRAWS)}) and print their figures",
     )
     args = parser.parse_args(argv)
     draw = ep.harness.draw_from(None)
@@ -182,14 +182,14 @@ def main(argv=None) -> int:
     print(_figure("hand-written tests alone", counts["hand-written"], total))
     print(_figure("all of an exercise's own tests", total - missed, total))
     if args.compare_draws:
-        other = next(d for d in ep.harness.DRAWS if d != draw)
-        alone = check(args.chapter, graded_by="differential", draw=other)
-        hits = sum(s.total > 0 and s.passed < s.total for _, s in alone)
-        print(_figure(f"differential tests alone ({other} draws)", hits, len(alone)))
         first = {m.path: caught_by(m, s)["differential"] for m, s in results}
-        for m, s in alone:
-            if (s.passed < s.total) != first[m.path]:
-                print(f"  {'only' if s.passed < s.total else 'not'} with {other} draws: {m.name}")
+        for other in (d for d in ep.harness.DRAWS if d != draw):
+            alone = check(args.chapter, graded_by="differential", draw=other)
+            hits = sum(s.total > 0 and s.passed < s.total for _, s in alone)
+            print(_figure(f"differential tests alone ({other} draws)", hits, len(alone)))
+            for m, s in alone:
+                if (s.passed < s.total) != first[m.path]:
+                    print(f"  {'only' if s.passed < s.total else 'not'} with {other} draws: {m.name}")
     print(f"\n{missed} mistake(s) scored full marks")
     return 1 if missed else 0
 
