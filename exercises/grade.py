@@ -14,8 +14,9 @@ each of those exercises alone, so it is charged to the ones it fails with.
 
 An exercise's mark is the fraction of its tests that pass: its *own* tests (hand-written, and
 differential: drawn inputs compared with the book's function), and the chapter's other tests
-that call its code. Which chapter tests run: the quick ones that call some exercise, as
-trace_calls.py's map of the chapter says (a minute or two a chapter); ``--all-chapter-tests``
+that call its code. Which chapter tests run: those that call some exercise, cheapest first within
+a budget of seconds per chapter, as trace_calls.py's map of the chapter says (a minute or two a
+chapter); ``--all-chapter-tests``
 every one not marked slow (``--slow``: those too). A test that fails while calling none of the
 student's code fails with the book's code too, and is reported as such. ``--exercise`` grades
 only those exercises' own tests, with them alone in place: the check in seconds while working.
@@ -300,7 +301,7 @@ def main(argv=None) -> int:
                 print(f"    failed: {r.nodeid}")
     full = sum(s.full for s in scores)
     print(f"\n{full}/{len(scores)} exercises complete ({time.perf_counter() - start:.0f} s)")
-    which = "all" if args.all_chapter_tests else "the quick ones that call an exercise"
+    which = "all" if args.all_chapter_tests else "the cheapest that call an exercise"
     slow_note = " (those marked slow too)" if args.slow else ""
     for o in other:
         print(f"{o.chapter}: the chapter's other tests ({which}{slow_note}): {o.passed} passed, {o.failed} failed")

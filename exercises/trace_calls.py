@@ -4,12 +4,14 @@ Runs a chapter's tests (those not marked slow) with the book's own code, every e
 wrapped to note its calls (exercise_plugin.py's ``--grade-report``), and writes
 ``exercises/<chapter>/chapter_tests.json``: for every test, the exercises whose code it calls and
 its duration on this machine. grade.py then runs, besides each exercise's own tests, the chapter
-tests that call some exercise and are quick (:data:`QUICK_S`), so a chapter grades in a minute or
-two; ``grade.py --all-chapter-tests`` runs every one.
+tests that call some exercise, the cheapest first within a budget of traced seconds per chapter
+(:data:`QUICK_BUDGET_S`), so a chapter grades in a minute or two; ``grade.py --all-chapter-tests``
+runs every one.
 
-    python exercises/trace_calls.py                       # every chapter (chapter 07: ~15 minutes)
+    python exercises/trace_calls.py                       # every chapter (chapter 07: half an hour, 2 busy cores)
     python exercises/trace_calls.py --chapter 04_scheduler
     python exercises/trace_calls.py --check               # which tests the maps do not know yet
+    python exercises/trace_calls.py --new-only            # trace only those
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from pathlib import Path
 import exercise_plugin as ep
 
 MAP_NAME = "chapter_tests.json"
-# A chapter test runs in the default grade when it took at most this long when traced: the
-# engine-level tests of chapter 07 (seconds to a minute each) run with --all-chapter-tests.
-QUICK_S = 1.0
+# The chapter tests a default grade runs besides the exercises' own: those that call an exercise,
+# cheapest first, while their traced seconds add up to at most this much per chapter. A budget, not
+# a limit per test: a busier machine at tracing time slows every test alike and changes little of
+# the choice, where a fixed second dropped a chapter's random workloads when they took 1.1 s.
+QUICK_BUDGET_S = 30.0
 # The tests a map covers: those a grade on a CPU runs (the slow ones only with --slow, the CUDA ones
 # never: they skip there).
 MARKERS = "not slow and not cuda"
@@ -45,8 +49,18 @@ def load_map(chapter: str) -> dict[str, dict]:
 
 
 def quick_tests(chapter: str) -> list[str]:
-    """The chapter's traced tests that call some exercise and took at most :data:`QUICK_S`."""
-    return [n for n, t in load_map(chapter).items() if t["calls"] and t["seconds"] <= QUICK_S]
+    """The chapter tests (no exercise's own) that call some exercise, cheapest first, within
+    :data:`QUICK_BUDGET_S` of traced seconds."""
+    own = [ex for ex in ep.load_exercises() if ex.chapter == chapter]
+    tests = load_map(chapter).items()
+    calling = sorted((t["seconds"], n) for n, t in tests if t["calls"] and not any(ex.selects(n) for ex in own))
+    chosen, spent = [], 0.0
+    for seconds, nodeid in calling:
+        spent += seconds
+        if spent > QUICK_BUDGET_S:
+            break
+        chosen.append(nodeid)
+    return chosen
 
 
 def machine() -> str:
@@ -56,20 +70,28 @@ def machine() -> str:
     return platform.processor() or platform.machine()
 
 
-def trace(chapter: str, timeout: float = 3600) -> dict[str, dict]:
-    """Run ``chapter``'s tests (:data:`MARKERS`) with the book's code and note every test's calls."""
+def trace(chapter: str, only: set[str] | None = None, timeout: float = 3600) -> dict[str, dict]:
+    """Run ``chapter``'s tests (:data:`MARKERS`; only the node ids ``only`` if given) with the
+    book's code and note every test's calls.
+
+    A test that fails with the book's code is noted too, and named on stderr: its calls are what
+    the book's code makes, and on a busy machine a test with a time limit can fail by itself.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.jsonl"
         cmd = [sys.executable, "-m", "pytest", f"{chapter}/", "-m", MARKERS, "--impl=reference",
                f"--grade-report={report}", "-q", "-p", "no:cacheprovider"]  # fmt: skip
+        if only is not None:
+            (Path(tmp) / "tests.txt").write_text("".join(f"{n}\n" for n in sorted(only)))
+            cmd.append(f"--only-tests={Path(tmp) / 'tests.txt'}")
         proc = subprocess.run(cmd, cwd=ep.ROOT, capture_output=True, text=True, timeout=timeout, env=ep.grading_env())
         if not report.exists():
             raise RuntimeError(f"pytest wrote no report:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
         entries = [json.loads(line) for line in report.read_text().splitlines() if line.strip()]
-    failed = [e["nodeid"] for e in entries if e["outcome"] == "failed"]
-    if failed:
-        raise RuntimeError(f"{chapter}: the book's own code fails {failed}: fix that before tracing")
-    return {e["nodeid"]: {"calls": e["called"], "seconds": e["duration"]} for e in entries if e["outcome"] == "passed"}
+    for e in entries:
+        if e["outcome"] == "failed":
+            print(f"{e['nodeid']} fails with the book's code: run it alone to see why", file=sys.stderr)
+    return {e["nodeid"]: {"calls": e["called"], "seconds": e["duration"]} for e in entries if e["outcome"] != "skipped"}
 
 
 def write(chapter: str, tests: dict[str, dict]) -> Path:
@@ -98,13 +120,20 @@ def stale(chapters: list[str]) -> list[str]:
     """What the maps of ``chapters`` do not know yet, or list in vain: empty when they are current."""
     now = collected(chapters)
     known = {nodeid for chapter in chapters for nodeid in load_map(chapter)}
-    return [f"not traced yet: {n}" for n in sorted(now - known)] + [f"traced but gone: {n}" for n in sorted(known - now)]
+    return [f"not traced yet: {n}" for n in sorted(now - known)] + [
+        f"traced but gone: {n}" for n in sorted(known - now)
+    ]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chapter", action="append", help="only this chapter (repeatable)")
     parser.add_argument("--check", action="store_true", help="list the tests each map lacks or lists in vain")
+    parser.add_argument(
+        "--new-only",
+        action="store_true",
+        help="trace only the tests a map does not know yet, and drop those gone (minutes, not chapter 07's half hour)",
+    )
     args = parser.parse_args(argv)
     chapters = args.chapter or sorted({ex.chapter for ex in ep.load_exercises()})
     if args.check:
@@ -112,9 +141,15 @@ def main(argv=None) -> int:
         print("\n".join(lines) or f"the maps of {', '.join(chapters)} know every test")
         return 1 if lines else 0
     for chapter in chapters:
-        tests = trace(chapter)
-        quick = sum(1 for t in tests.values() if t["calls"] and t["seconds"] <= QUICK_S)
-        print(f"{write(chapter, tests).relative_to(ep.ROOT)}: {len(tests)} tests, {quick} quick ones call an exercise")
+        if args.new_only:
+            known, now = load_map(chapter), collected([chapter])
+            tests = {n: t for n, t in known.items() if n in now} | (
+                trace(chapter, now - set(known)) if now - set(known) else {}
+            )
+        else:
+            tests = trace(chapter)
+        path = write(chapter, tests).relative_to(ep.ROOT)
+        print(f"{path}: {len(load_map(chapter))} tests, {len(quick_tests(chapter))} chapter tests run in a grade")
     return 0
 
 
