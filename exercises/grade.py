@@ -38,9 +38,10 @@ import exercise_plugin as ep
 import trace_calls
 
 CHAPTER_TESTS = ("none", "quick", "all")
-# Each test run's limit, well past the slowest test's time with correct code (own and quick tests
-# take seconds, chapter 07's longest engine-level tests a minute): code that hangs fails instead.
-TEST_TIMEOUT_S = {"none": 120, "quick": 120, "all": 600}
+# Each test run's limit, far past the slowest test's time with correct code on a loaded machine
+# (test_compile's compiler-failure test took 118 s beside seven busy processes on 2 cores): code
+# that hangs fails instead of holding up the grade, and a slow machine costs nobody marks.
+TEST_TIMEOUT_S = 600
 
 
 @dataclass
@@ -138,7 +139,7 @@ def run_tests(
             f"--impl={impl}",
             f"--swap={swap}",
             f"--grade-report={report}",
-            f"--test-timeout={TEST_TIMEOUT_S[chapter_tests]}",
+            f"--test-timeout={TEST_TIMEOUT_S}",
             "-q",
             "-p",
             "no:cacheprovider",
