@@ -310,6 +310,7 @@ def test_match_prefix(differential):
             op = rng.choice(["cache", "match", "match", "release", "collide"])
             keys = list(caches[1]._cache)
             victim = rng.choice(keys) if keys else None
+            starts_using = rng.random() < 0.5  # a request starts using the blocks a match finds: on both sides
             outcomes = []
             for i, cache in enumerate(caches):
                 if op == "cache":
@@ -320,7 +321,7 @@ def test_match_prefix(differential):
                     if out.error is None:
                         blocks, num_tokens = out.value
                         out.value = ([b.block_id for b in blocks], num_tokens)
-                        if rng.random() < 0.5:  # a request starts using them
+                        if starts_using:
                             cache.touch(blocks)
                             held[i].append(blocks)
                     outcomes.append(out)
