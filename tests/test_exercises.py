@@ -85,9 +85,8 @@ def test_chapter_test_maps_know_every_test():
     """grade.py picks the chapter tests it runs from trace_calls.py's maps: a test they do not know
     would never run in a grade, so a changed test file needs ``trace_calls.py --chapter`` again."""
     stale = trace_calls.stale(sorted({ex.chapter for ex in ALL}))
-    assert not stale, "exercises/<chapter>/chapter_tests.json is stale: run exercises/trace_calls.py --chapter ...\n" + (
-        "\n".join(stale)
-    )
+    advice = "exercises/<chapter>/chapter_tests.json is stale: run exercises/trace_calls.py --new-only"
+    assert not stale, advice + "\n" + "\n".join(stale)
 
 
 def test_registry_rejects_a_test_graded_twice(tmp_path):
