@@ -357,3 +357,37 @@ def test_the_registry_lists_minicpm():
 
     assert "MiniCPMForCausalLM" in supported_architectures()
     assert get_config_class("minicpm") is MiniCPMConfig and get_config_class("llama") is None
+
+
+def test_the_compiled_forwards_graphs_run_minicpm(tiny_minicpm4_dir, monkeypatch, tmp_path):
+    """The CPU engine's default forward (compilation.py) with MiniCPM: its three graphs are
+    exported as they are for Llama, then run by the engine in place of the compiled packages, and
+    the tokens and logprobs still equal the plain reference. Only AOTInductor's compilation of
+    the exports is left out (minutes on two cores; model-independent, test_compile.py runs it)."""
+    from vllm_from_scratch import compilation
+
+    def export_only(model, kv_cache, config, directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in compilation.GRAPHS:
+            compilation._compile_graph(model, kv_cache, config, name, directory / f"{name}.pt2")
+
+    monkeypatch.setattr(compilation, "cache_root", lambda: tmp_path)  # not XDG_CACHE_HOME: chapter 02's kernel is there
+    monkeypatch.setattr(compilation, "_compile_graphs", export_only)
+    monkeypatch.setattr(compilation, "_package", lambda program, name, path: torch.export.save(program, str(path)))
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: torch.export.load(path).module())
+    llm = LLM(tiny_minicpm4_dir, **{**ENGINE, "enforce_eager": False, "num_kvcache_blocks": 64})
+    runner = llm.llm_engine.executor.runner
+    assert runner.compiled_forward is not None
+    ran = []
+    monkeypatch.setattr(type(runner.compiled_forward), "run", _counting(type(runner.compiled_forward).run, ran))
+    prompts = make_prompts(5, (3, 38))
+    check_against_reference(tiny_minicpm4_dir, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert min(ran) <= compilation.SMALL_BATCH_TOKENS < max(ran), "both forward graphs should have run"
+
+
+def _counting(run, sizes: list[int]):
+    def counted(self, input_ids, *args):
+        sizes.append(input_ids.shape[0])
+        return run(self, input_ids, *args)
+
+    return counted
