@@ -9,7 +9,7 @@ Each row of the cache holds ``[cos, cos | -sin, sin]``, so a whole head rotates 
 ``[x2, x1]`` one ``roll`` of ``x``: four ops per tensor instead of eight, and the same bits.
 
 The scaled variants a config's ``rope_scaling`` may name change only the frequencies (and, for
-LongRoPE, the length of the cosines and sines), never how a head is rotated: Llama 3.x's
+LongRoPE, the amplitude of the cosines and sines), never how a head is rotated: Llama 3.x's
 ``llama3`` and LongRoPE's ``longrope`` (Phi-3, MiniCPM4).
 """
 
