@@ -601,3 +601,60 @@ def test_summarize(differential):
         )
 
     differential.run(check, examples=200)
+
+
+class _StandInAttention(torch.nn.Module):
+    """Attention's place in a decoder layer: a fixed linear mix of each token plus its position, so
+    that what two layers compare is the layer's own arithmetic (norms, branch scales, residuals)."""
+
+    def __init__(self, config, **tp):
+        super().__init__()
+        self.mix = torch.nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+
+    def forward(self, positions, hidden_states, attn_metadata):
+        return self.mix(hidden_states) + 0.01 * positions[:, None].to(hidden_states.dtype)
+
+
+def test_minicpm_decoder_layer_forward(differential):
+    from transformers import LlamaConfig
+
+    from vllm_from_scratch.models.minicpm import MiniCPMDecoderLayer
+
+    BookLayer = differential.twin(MiniCPMDecoderLayer, "forward")
+
+    def check(rng):
+        hidden, dtype = rng.choice([8, 16, 32]), rng.choice([torch.float32, torch.bfloat16])
+        config = LlamaConfig(
+            hidden_size=hidden, intermediate_size=rng.choice([8, 24, 64]), num_attention_heads=2,
+            num_key_value_heads=rng.choice([1, 2]), num_hidden_layers=rng.randint(1, 62), vocab_size=32,
+            rms_norm_eps=rng.choice([1e-6, 1e-5]), hidden_act="silu",
+        )  # fmt: skip
+        config.scale_depth = rng.choice([1.0, 1.4, 12.0])
+        gen = _generator(rng)
+        layers = [MiniCPMDecoderLayer(config, _StandInAttention), BookLayer(config, _StandInAttention)]
+        weights = [torch.randn(p.shape, generator=gen) * 0.3 for p in layers[0].parameters()]
+        for layer in layers:
+            for p, w in zip(layer.parameters(), weights):
+                p.data.copy_(w)
+            layer.to(dtype)
+        tokens = rng.randint(0, 6)
+        positions = torch.tensor([rng.randrange(0, 4096) for _ in range(tokens)], dtype=torch.long)
+        x = (torch.randn(tokens, hidden, generator=gen) * rng.choice([0.1, 1.0, 20.0])).to(dtype)
+        residual = torch.randn(tokens, hidden, generator=gen).to(dtype) if rng.random() < 0.5 else None
+        with torch.no_grad():
+            outcomes = [
+                differential.call(layer, positions, x.clone(), None if residual is None else residual.clone(), None)
+                for layer in layers
+            ]
+        differential.agree(
+            f"MiniCPMDecoderLayer.forward({tokens} tokens, hidden {hidden}, {dtype}, "
+            f"{config.num_hidden_layers} layers, scale_depth {config.scale_depth}"
+            f"{', with a residual' if residual is not None else ', first layer (no residual)'})",
+            *outcomes,
+            meaning="Llama's layer with each branch (attention, then MLP) scaled by scale_depth / "
+            "sqrt(num_hidden_layers) as it leaves: the fused norms then add residual + scale * branch; returns "
+            "(the MLP branch scaled, the residual)",
+            **(FLOAT32 if dtype == torch.float32 else {}),
+        )
+
+    differential.run(check, examples=80)
