@@ -38,10 +38,10 @@ from collections import defaultdict
 import torch
 from tqdm.auto import tqdm
 
+from attention_backends import AttentionMetadata
 from block_manager import cdiv
 from vllm_from_scratch import default_model_dir
 from vllm_from_scratch.config import EngineConfig
-from vllm_from_scratch.layers.attention import AttentionMetadata
 from vllm_from_scratch.layers.prepacked import FLOAT32_MIN_ROWS, PrepackableWeight, prepack_model
 from vllm_from_scratch.model_runner import ModelRunner
 
@@ -125,7 +125,6 @@ class Batches:
             block_tables=block_tables,
             max_seqlen_q=max(q_lens),
             max_seqlen_k=max(k_lens),
-            is_decode=max(q_lens) == 1,
         )
         input_ids = torch.randint(0, self.vocab, (len(positions),), generator=torch.Generator().manual_seed(0))
         logits_indices = cu[1:].long() - 1

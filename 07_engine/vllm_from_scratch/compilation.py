@@ -47,9 +47,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from attention_backends import AttentionMetadata
 from chunked_prefill import SchedulerInfo, build_batch_inputs
 from paged_attention_cpu import _cpu_fingerprint, cpu_kernel_available
-from vllm_from_scratch.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from torch._inductor.package.package import AOTICompiledModel
@@ -126,8 +126,8 @@ class _ForwardWithCache(nn.Module):
         block_tables: torch.Tensor,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        # The integers are never read when compiling: unified_attention takes the batch's shape.
-        md = AttentionMetadata(slot_mapping, cu_seqlens_q, seq_lens_k, block_tables, 0, 0, False, kv_cache)
+        # max_seqlen_q is never read when compiling: unified_attention takes the batch's shape.
+        md = AttentionMetadata(slot_mapping, cu_seqlens_q, seq_lens_k, block_tables, max_seqlen_q=0, kv_cache=kv_cache)
         return self.model(input_ids, positions, md)
 
 
@@ -154,10 +154,7 @@ def _example_inputs(num_tokens: int, kv_cache: torch.Tensor, block_size: int) ->
     return (
         batch.input_ids,
         batch.positions,
-        batch.slot_mapping,
-        batch.cu_seqlens_q,
-        batch.seq_lens_k,
-        batch.block_tables,
+        *batch.attn_metadata.tensors(),
         cache,
     )
 
@@ -252,7 +249,7 @@ class CompiledForward:
         """Hidden states of every token, as ``model(input_ids, positions, md)`` returns them; the
         batch's K/V is written to ``kv_cache``."""
         graph = self.graphs["small" if input_ids.shape[0] <= SMALL_BATCH_TOKENS else "large"]
-        return graph(input_ids, positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens_k, md.block_tables, kv_cache)
+        return graph(input_ids, positions, *md.tensors(), kv_cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The LM head's logits of ``hidden``'s rows through the compiled graph, for 1 to

@@ -24,7 +24,7 @@ from vllm_from_scratch.compilation import CompiledForward
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.cuda_graph import MAX_CAPTURE_SIZE, CUDAGraphRunner
 from vllm_from_scratch.kv_connector import BlockTransfer, KVConnectorWorker
-from vllm_from_scratch.layers.attention import Attention, AttentionMetadata
+from vllm_from_scratch.layers.attention import Attention
 from vllm_from_scratch.layers.prepacked import prepack_model
 from vllm_from_scratch.loader import get_model
 from vllm_from_scratch.sampler import (
@@ -367,27 +367,15 @@ class ModelRunner:
             info.add_row(f"warm-up-{i}", [0] * n, context, list(range(first, first + blocks_per_seq)), samples=True)
         batch = build_batch_inputs(info, self.block_size, self.device)
         if not logits:
-            self.model(batch.input_ids, batch.positions, self.attention_metadata(batch))
+            self.model(batch.input_ids, batch.positions, batch.attn_metadata)
             return None
         return self.compute_logits(batch)
 
     # ------------------------------------------------------------------ forward
-    @staticmethod
-    def attention_metadata(batch: BatchInputs) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=batch.slot_mapping,
-            cu_seqlens_q=batch.cu_seqlens_q,
-            seq_lens_k=batch.seq_lens_k,
-            block_tables=batch.block_tables,
-            max_seqlen_q=batch.max_seqlen_q,
-            max_seqlen_k=batch.max_seqlen_k,
-            is_decode=batch.max_seqlen_q == 1,
-        )
-
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
         """Hidden states of every token of ``batch`` (through a decode graph when one fits, through
         the compiled forward when there is one)."""
-        md = self.attention_metadata(batch)
+        md = batch.attn_metadata
         if self.graph_runner is not None and self.graph_runner.can_run(batch.input_ids, md):
             return self.graph_runner.run(batch.input_ids, batch.positions, md)
         if self.compiled_forward is not None:
