@@ -338,7 +338,8 @@ def test_eos_stops_unless_ignored():
     s.add_request(req("ignores", 3, max_tokens=3, eos_token_id=2, ignore_eos=True))
     ignores = s.requests["ignores"]
     _, gained = step(s, default=2)
-    assert [(g.request_id, g.finish_reason) for g in gained if g.finished] == [("stops", RequestStatus.FINISHED_STOPPED)]
+    ended = [(g.request_id, g.finish_reason) for g in gained if g.finished]
+    assert ended == [("stops", RequestStatus.FINISHED_STOPPED)]
     step(s, default=2)
     _, gained = step(s, default=2)
     assert gained == [EngineCoreOutput("ignores", [2], RequestStatus.FINISHED_LENGTH)]

@@ -211,9 +211,9 @@ ENGINE_PHASES = (
     ("model_runner", "build_batch_inputs", "build inputs"),
     ("runner", "_forward", "forward"),
     ("runner", "_logits", "LM head"),
-    ("runner", "sampler", "sample"),
+    ("sampler", "sample", "sample"),
     ("scheduler", "update_from_output", "update"),
-    ("engine", "_process", "detokenize"),
+    ("output_processor", "process_outputs", "detokenize"),
 )
 
 
@@ -230,8 +230,9 @@ def time_engine_phases(args: argparse.Namespace) -> None:
         enforce_eager=not args.compile,
     ).llm_engine
     spent: dict[str, float] = defaultdict(float)
-    owners = {"scheduler": engine.scheduler, "model_runner": model_runner, "runner": engine.executor.runner}
-    owners["engine"] = engine
+    runner = engine.executor.runner
+    owners = {"scheduler": engine.scheduler, "model_runner": model_runner, "runner": runner}
+    owners.update(sampler=runner.sampler, output_processor=engine.output_processor)
     for owner, attr, label in ENGINE_PHASES:
         fn = getattr(owners[owner], attr)
 
@@ -263,14 +264,14 @@ def time_engine_phases(args: argparse.Namespace) -> None:
         for b in args.batch_sizes:
             for _ in range(b):
                 engine.add_request(prompt(args.context_len), params)
-            while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+            while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
                 engine.step()
             spent.clear()
             start = time.perf_counter()
             for _ in range(args.iters):
                 engine.step()
             report(f"decode B={b}", args.iters, time.perf_counter() - start)
-            for rid in list(engine.requests):
+            for rid in list(engine.scheduler.requests):
                 engine.abort_request(rid)
             engine.step()
         for n in args.prefill_lens:

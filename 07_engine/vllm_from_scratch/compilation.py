@@ -21,7 +21,7 @@ change to the model's code:
   ``~/.cache``) in a directory named by everything the compiled code depends on
   (:func:`compile_key`); a later process loads it in a fraction of a second.
 
-``python -m vllm_from_scratch.compilation`` compiles the default model's graphs at the engine's
+``python -m vllm_from_scratch.precompile`` compiles the default model's graphs at the engine's
 defaults (``setup.sh`` runs it, so that no first start waits); ``EngineConfig.enforce_eager``
 turns all of this off.
 
@@ -32,7 +32,6 @@ for the whole model at every start. Measured figures: 07_engine/topics/performan
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -258,28 +257,3 @@ class CompiledForward:
         if not 1 <= hidden.shape[0] <= SMALL_BATCH_TOKENS:
             return None
         return self.graphs["logits"](hidden)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Compile a model's forward at the engine's defaults, or find it already cached."""
-    parser = argparse.ArgumentParser(
-        description="Compile a model's forward into the cache at the engine's defaults (a later start loads it)."
-    )
-    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2)")
-    parser.add_argument("--dtype", default="auto", help="as EngineConfig.dtype (default: %(default)s)")
-    args = parser.parse_args(argv)
-    from vllm_from_scratch.default_model import default_model_dir
-    from vllm_from_scratch.engine import LLMEngine
-
-    start = time.perf_counter()
-    # The graphs do not depend on the cache's size: a few blocks suffice to build them.
-    engine = LLMEngine(
-        args.model or default_model_dir(), device="cpu", dtype=args.dtype, num_kvcache_blocks=16, warm_up=False
-    )
-    if engine.executor.runner.compiled_forward is None:
-        raise SystemExit("the forward could not be compiled here; the engine will run it eagerly")
-    print(f"compiled forward ready in {cache_root()} ({time.perf_counter() - start:.0f} s)")
-
-
-if __name__ == "__main__":
-    main()
