@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+import attention_backends
 from attention_backends import AttentionMetadata
 from chunked_prefill import SchedulerInfo, build_batch_inputs
 from paged_attention_cpu import _cpu_fingerprint, cpu_kernel_available
@@ -67,9 +68,11 @@ GRAPHS: dict[str, dict[str, object]] = {
     "logits": {"max_autotune": True, "max_autotune_gemm_backends": "CPP"},
 }
 STAMP = "key.txt"
-# The code a graph is traced from: the models, their layers and this module.
+# The code a graph is traced from: the models, their layers, this module, and chapter 02's
+# AttentionMetadata, whose field order the graph's inputs follow.
 _SOURCES = [
     Path(__file__),
+    Path(str(attention_backends.__file__)),
     *sorted(Path(__file__).parent.glob("models/*.py")),
     *sorted(Path(__file__).parent.glob("layers/*.py")),
 ]
