@@ -19,6 +19,8 @@ what the posts got back. The attacks:
 * ``chat-limit``: thousands of short chat messages just under the limit, rendered by the
   chat template;
 * ``n-max``: ``n`` at ``max_n_sequences`` (``--max-n``, default 256), 8 tokens each;
+* ``context-max``: ``n`` 65 completions of a 3,900-token prompt, 64 tokens each: the most KV
+  cache ``max_request_kv_tokens`` (262,144) lets one request hold, read by every decode step;
 * ``logprobs-max``: a 3,000-token prompt echoed with 20 logprobs per token, 20 prompt logprobs
   and ``n`` 7: the largest response ``max_response_logprobs`` (1,000,000) lets through, not
   streamed;
@@ -26,9 +28,11 @@ what the posts got back. The attacks:
 * ``batch-max``: 1,024 short prompts (``max_completion_prompts``) of 16 tokens each;
 * ``bias-max``: ``n`` 256 with a 40,000-entry ``logit_bias`` and ``min_tokens`` 8 over 10,000
   ``stop_token_ids`` (per-step work the engine thread does for every completion);
-* ``penalty-max``: ``n`` 256 with all three penalties on a 3,500-token prompt.
+* ``penalty-max``: all three penalties on a 3,500-token prompt, ``n`` 73 (the most
+  ``max_request_kv_tokens`` allows), or ``--max-n`` if that is lower.
 
-The last six are sent once each (``--num-posts 1`` is their natural setting).
+The last seven are sent once each (``--num-posts 1`` is their natural setting). Prompt lengths
+are the default model's tokens.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from server_testing import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 ATTACKS = ("text-8mb", "text-limit", "floats-limit", "chat-limit")
-LIMIT_ATTACKS = ("n-max", "logprobs-max", "logprobs-wide", "batch-max", "bias-max", "penalty-max")
+LIMIT_ATTACKS = ("n-max", "context-max", "logprobs-max", "logprobs-wide", "batch-max", "bias-max", "penalty-max")
 WORDS = (
     "the of and to in is was that for it with as his on be at by had are but from or have an they "
     "which one you were all we her she there would their will when who him been has more if no "
@@ -97,10 +101,13 @@ def make_attack(kind: str, limit: int, max_n: int = 256) -> Attack:
     are sized to ``limit`` minus 64 bytes, the ``-max`` kinds to the server's default limits
     (``n`` up to ``max_n``)."""
     target = limit - 64
-    long_prompt = english(17_000, seed=2)  # about 3,000 tokens
+    long_prompt = english(14_400, seed=2)  # about 3,000 tokens
     sampled = {"temperature": 1.0, "ignore_eos": True}
     if kind == "n-max":
         return Attack(kind, "/v1/completions", _json({"prompt": english(200), "n": max_n, "max_tokens": 8, **sampled}))
+    if kind == "context-max":  # 65 x (3,913 + 64) = 258,505 tokens of KV cache, under 262,144
+        body = {"prompt": english(18_600, seed=4), "n": min(max_n, 65), "max_tokens": 64, **sampled}
+        return Attack(kind, "/v1/completions", _json(body))
     if kind in ("logprobs-max", "logprobs-wide"):
         n = 7 if kind == "logprobs-max" else 64
         body = {"prompt": long_prompt, "n": n, "max_tokens": 1, "echo": True, "logprobs": 20, "prompt_logprobs": 20}
@@ -115,7 +122,7 @@ def make_attack(kind: str, limit: int, max_n: int = 256) -> Attack:
         return Attack(kind, "/v1/completions", _json({**body, "min_tokens": 8, "stop_token_ids": stops, **sampled}))
     if kind == "penalty-max":
         penalties = {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5}
-        body = {"prompt": english(20_000, seed=3), "n": max_n, "max_tokens": 8, **penalties}
+        body = {"prompt": english(17_000, seed=3), "n": min(max_n, 73), "max_tokens": 8, **penalties}  # 3,547 tokens
         return Attack(kind, "/v1/completions", _json({**body, **sampled}))
     if kind == "text-8mb":
         return Attack(kind, "/v1/completions", _json({"prompt": english(8_000_000), "max_tokens": 1}))

@@ -11,21 +11,18 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
-from transformers import AutoTokenizer
 
+import test_server_protocol
 from test_server_protocol import ERROR_TOKEN, MODEL, ScriptedEngine
 from vllm_from_scratch.api_server import build_app
-from vllm_from_scratch.config import ServingLimits
-from vllm_from_scratch.default_model import default_model_dir
+from vllm_from_scratch.config import SERVING_CPU_TOKEN_BUDGET, EngineConfig, ServingLimits
 from vllm_from_scratch.serving import OpenAIServing
 
 HI = [{"role": "user", "content": "hi"}]
-LIMITS = ServingLimits(max_completion_prompts=3, max_stop_strings=2, max_response_logprobs=1000)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(default_model_dir())
+LIMITS = ServingLimits(
+    max_completion_prompts=3, max_stop_strings=2, max_response_logprobs=1000, max_request_kv_tokens=150
+)
+tokenizer = test_server_protocol.tokenizer
 
 
 @pytest.fixture
@@ -65,6 +62,34 @@ def test_too_many_prompts_stop_strings_or_logprobs_are_refused_before_any_work(c
     body = {"messages": HI, "n": 2, "logprobs": True, "top_logprobs": 20}
     refused(client.post("/v1/chat/completions", json=body), "top_logprobs", "1,386")
     assert list(engine.params) == [next(iter(engine.params))], "a refused request reached the engine"
+
+
+def test_a_request_that_could_hold_too_much_kv_cache_is_refused_naming_n_or_max_tokens(client, engine):
+    # Each sequence may hold its prompt and max_tokens: 2 x (2 + 60) = 124 fits in 150.
+    assert client.post("/v1/completions", json={"prompt": [5, 6], "n": 2, "max_tokens": 60}).is_success
+    refused(
+        client.post("/v1/completions", json={"prompt": [5, 6], "n": 3, "max_tokens": 60}),
+        "n",
+        "186",
+        "max_request_kv_tokens",
+    )
+    # One completion of each of three prompts: the prompts add up, and max_tokens is to blame.
+    body = {"prompt": [[5, 6]] * 3, "max_tokens": 60}
+    refused(client.post("/v1/completions", json=body), "max_tokens", "186", "3 prompt(s)")
+    # Chat without max_tokens may fill the context (64): 3 x 64 = 192.
+    refused(client.post("/v1/chat/completions", json={"messages": HI, "n": 3}), "n", "192", "until the context is full")
+    body = {"messages": HI, "n": 3, "max_completion_tokens": 10}
+    assert client.post("/v1/chat/completions", json=body).is_success
+    assert all(p.n < 3 or p.max_tokens == 10 for p in engine.params.values()), "a refused request reached the engine"
+
+
+def test_the_server_on_a_cpu_takes_prompts_in_small_chunks(tiny_llama_dir):
+    # A step carrying a prompt chunk holds up every decoding stream on a CPU, so the server's
+    # default budget is small; offline work keeps vLLM's 2048, and a given budget is kept.
+    assert EngineConfig(tiny_llama_dir, device="cpu", serving=True).max_num_batched_tokens == SERVING_CPU_TOKEN_BUDGET
+    assert EngineConfig(tiny_llama_dir, device="cpu").max_num_batched_tokens == 2048
+    config = EngineConfig(tiny_llama_dir, device="cpu", serving=True, max_num_batched_tokens=512)
+    assert config.max_num_batched_tokens == 512
 
 
 def test_the_limits_are_flags_of_the_server():

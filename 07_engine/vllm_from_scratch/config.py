@@ -18,6 +18,14 @@ from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.loader import DTYPES, load_config, resolve_dtype
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# The server's token budget on a CPU. On the book's 2-core CPU a step carrying a prompt chunk
+# costs about 0.6 ms a token plus its attention over the context (0.45 s per thousand queries
+# over a thousand keys), and a prompt that scores its logprobs 0.7 ms a token more: at the
+# 4,000th token of such a prompt, beside 16 decoding requests, a step took 0.35 s with 128-token
+# chunks, 0.97 s with 256 and 1.45 s with 384. On the serving benchmark 128 keeps the throughput
+# of 2048, halves the mean time to first token and cuts the p99 gap between tokens by 3-4x
+# (07_engine/topics/sharing.md).
+SERVING_CPU_TOKEN_BUDGET = 128
 SPEC_METHODS = ("ngram", "draft_model")
 
 
@@ -187,7 +195,8 @@ class EngineConfig:
         "None: max_num_seqs, so that a request's completions fit in one batch"
     )
     max_num_batched_tokens: int = setting(
-        "token budget of one step; None: 2048 with chunked prefill, else max(max_model_len, 8192)"
+        "token budget of one step; None: 2048 with chunked prefill (128 for the server on a CPU: a "
+        "step with a prompt chunk then stays well under a second on 2 cores), else max(max_model_len, 8192)"
     )
     max_model_len: int = setting("longest prompt + output; None: min(max_position_embeddings, 4096)")
     kvcache_block_size: int = setting(
@@ -223,6 +232,9 @@ class EngineConfig:
     step_trace: str | None = setting(
         "write one JSON line per engine step to this file (docs/step_trace.md); None: no trace, no cost"
     )
+    # Whom the engine serves, which only some defaults depend on (vLLM's usage context): the
+    # server passes True. Not a setting of its own (no flag).
+    serving: bool = False
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False, repr=False)
     torch_device: torch.device = field(init=False, repr=False)
@@ -262,7 +274,12 @@ class EngineConfig:
                 "max_model_len", f"({self.max_model_len}) exceeds the model's max_position_embeddings ({max_pos})"
             )
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(self.max_model_len, 8192)
+            if not self.enable_chunked_prefill:
+                self.max_num_batched_tokens = max(self.max_model_len, 8192)
+            elif self.serving and self.torch_device.type == "cpu":
+                self.max_num_batched_tokens = SERVING_CPU_TOKEN_BUDGET
+            else:
+                self.max_num_batched_tokens = 2048
         elif not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ParameterError(
                 "max_num_batched_tokens",
@@ -327,6 +344,11 @@ class ServingLimits:
         "most prompts in one /v1/completions request (vLLM's VLLM_MAX_COMPLETION_PROMPTS)", 1024
     )
     max_stop_strings: int = setting("most stop strings in one request (vLLM's VLLM_MAX_STOP_STRINGS; OpenAI's 4)", 4)
+    max_request_kv_tokens: int = setting(
+        "most tokens one request's sequences may hold in the KV cache: n x (prompt + max_tokens), "
+        "summed over its prompts (max_tokens null: up to max_model_len); each decode step reads them all",
+        262_144,
+    )
     max_response_logprobs: int = setting(
         "most logprob entries one response may carry: every token shown with logprobs counts 1 + "
         "its top logprobs, over all n choices, the echoed prompt and prompt_logprobs included",
@@ -347,8 +369,9 @@ class ServingLimits:
 
 
 def _settings(cls: type) -> list[dataclasses.Field]:
-    """The fields of a settings dataclass that a caller (or the command line) sets."""
-    return [f for f in dataclasses.fields(cls) if f.init and f.name != "model_dir"]
+    """The fields of a settings dataclass that a caller (or the command line) sets: those made
+    with :func:`setting`."""
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
 
 
 def _add_setting_flags(cls: type, group: argparse._ArgumentGroup) -> None:

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     from vllm_from_scratch.engine import LLMEngine
 
     model_dir = args.model or default_model_dir()
-    engine = build_engine(lambda: LLMEngine(model_dir, **EngineConfig.cli_kwargs(args)))
+    engine = build_engine(lambda: LLMEngine(model_dir, serving=True, **EngineConfig.cli_kwargs(args)))
     api_key = resolve_api_key(args)
     if api_key is None and not is_loopback(args.host):
         log.warning(

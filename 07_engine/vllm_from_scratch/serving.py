@@ -274,11 +274,31 @@ class OpenAIServing:
             ]
         except ValueError as exc:
             raise api_error(exc, body.field_names) from exc
-        self.check_response_size(body, params, [len(r.prompt_token_ids) for r in requests])
+        prompt_lens = [len(r.prompt_token_ids) for r in requests]
+        self.check_kv_tokens(body, params, prompt_lens)
+        self.check_response_size(body, params, prompt_lens)
         echo = isinstance(body, CompletionRequest) and body.echo
         if not echo:
             return params, requests, None
         return params, requests, [self.prompt_text(p, r.prompt_token_ids) for p, r in zip(prompts, requests)]
+
+    def check_kv_tokens(self, body: OpenAIRequest, params: SamplingParams, prompt_lens: list[int]) -> None:
+        """A 400 before any work when the request's sequences could hold more than
+        ``max_request_kv_tokens`` tokens of KV cache (``n`` per prompt, each up to its prompt
+        plus ``max_tokens``): every decode step reads all of them, so they bound how long one
+        request can make everyone's step. Names ``n`` when it is above 1, else ``max_tokens``."""
+        room = self.max_model_len
+        total = params.n * sum(min(room, length + (params.max_tokens or room)) for length in prompt_lens)
+        limit = self.limits.max_request_kv_tokens
+        if total <= limit:
+            return
+        asked = "until the context is full" if params.max_tokens is None else f"max_tokens={params.max_tokens}"
+        raise APIError(
+            f"this request's sequences could hold {total:,} tokens of KV cache ({len(prompt_lens)} prompt(s) of "
+            f"{sum(prompt_lens):,} tokens in all, n={params.n}, {asked}); this server lets one request hold "
+            f"{limit:,} (max_request_kv_tokens): ask for fewer completions or tokens",
+            param="n" if params.n > 1 else body.field_names.get("max_tokens", "max_tokens"),
+        )
 
     def check_response_size(self, body: OpenAIRequest, params: SamplingParams, prompt_lens: list[int]) -> None:
         """A 400 before any work when the response could carry more than
