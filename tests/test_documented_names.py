@@ -72,6 +72,7 @@ CHECKED: dict[str, list[str] | None] = {
         "Starting, calling, stopping (`distributed.py`)",
     ],
     "07_engine/topics/cuda_graphs.md": None,
+    "07_engine/topics/adding_a_model.md": None,
 }
 
 # CamelCase names and snake_case calls of other projects that the checked text mentions.
@@ -83,6 +84,9 @@ EXTERNAL = {
     "get_context",  # nano-vllm
     "SimpleBlockManager",  # seed 000's, which chapter 04's README says what replaced
     "SequenceStatus",  # nano-vllm's, which docs/sources.md maps to RequestStatus
+    "ModelRegistry",  # vLLM's
+    "LlamaConfig",  # transformers
+    "Phi3ForCausalLM",  # transformers and vLLM
 }
 
 FILE_SUFFIXES = {

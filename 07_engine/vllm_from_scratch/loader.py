@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from machine import cpu_has_native_bf16
 from vllm_from_scratch.errors import ParameterError
-from vllm_from_scratch.models import get_model_class
+from vllm_from_scratch.models import get_config_class, get_model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger(__name__)
@@ -53,9 +54,14 @@ def _auto_dtype(device_type: str) -> torch.dtype:
 
 
 def load_config(model_dir: str) -> PretrainedConfig:
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+    """The checkpoint's config.json, read by transformers, or by the engine's own class for a
+    ``model_type`` transformers knows only through the checkpoint's code (``models._CONFIGS``)."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
         raise ValueError(f"model_dir {model_dir!r} has no config.json")
-    return AutoConfig.from_pretrained(model_dir)
+    with open(path) as f:
+        config_cls = get_config_class(json.load(f).get("model_type"))
+    return (config_cls or AutoConfig).from_pretrained(model_dir)
 
 
 def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor) -> None:

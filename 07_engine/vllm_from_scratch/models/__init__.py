@@ -2,7 +2,9 @@
 
 The built-in families sit in ``_MODELS`` as ``"module:Class"`` strings, imported only when a
 checkpoint asks for them; other code adds its own with :func:`register_model`, as vLLM's
-``ModelRegistry.register_model`` does.
+``ModelRegistry.register_model`` does. A family that transformers reads only by running the
+checkpoint's own Python (MiniCPM) also has a config class in ``_CONFIGS``, keyed by the
+``model_type`` of its config.json.
 """
 
 from __future__ import annotations
@@ -17,8 +19,15 @@ if TYPE_CHECKING:
 
 _MODELS: dict[str, str | type[nn.Module]] = {
     "LlamaForCausalLM": "vllm_from_scratch.models.llama:LlamaForCausalLM",
+    "MiniCPMForCausalLM": "vllm_from_scratch.models.minicpm:MiniCPMForCausalLM",
     "Qwen2ForCausalLM": "vllm_from_scratch.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "vllm_from_scratch.models.qwen3:Qwen3ForCausalLM",
+}
+
+# Config classes for the ``model_type`` of checkpoints that transformers cannot read without
+# running the checkpoint's own Python (``auto_map``), which the engine never does.
+_CONFIGS: dict[str, str] = {
+    "minicpm": "vllm_from_scratch.models.minicpm:MiniCPMConfig",
 }
 
 
@@ -63,11 +72,17 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def _resolve(entry: str | type[nn.Module]) -> type[nn.Module]:
+def _resolve(entry: str | type) -> type:
     if isinstance(entry, type):
         return entry
     module, _, name = entry.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def get_config_class(model_type: str | None) -> type[PretrainedConfig] | None:
+    """The engine's own config class for ``model_type``, or None where transformers reads it."""
+    entry = _CONFIGS.get(model_type or "")
+    return None if entry is None else _resolve(entry)
 
 
 def get_model_class(config: PretrainedConfig) -> type[nn.Module]:

@@ -114,20 +114,28 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm. A variant whose layers differ (MiniCPM) sets
+    ``decoder_layer_cls``; one that scales the embeddings overrides ``embed_input_ids``."""
+
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(
         self, config: PretrainedConfig, attention_cls: type[LlamaAttention] = LlamaAttention, **tp: Unpack[TPArgs]
     ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attention_cls, **tp) for _ in range(config.num_hidden_layers)
+            self.decoder_layer_cls(config, attention_cls, **tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
+        hidden_states, residual = self.embed_input_ids(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -137,10 +145,12 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama decoder plus LM head. ``forward`` returns hidden states; ``compute_logits`` is
     called only on the rows that sample (the last token of each request), not on every token.
-    A variant whose layers differ only in attention (Qwen2, Qwen3) sets ``attention_cls``.
+    A variant whose layers differ only in attention (Qwen2, Qwen3) sets ``attention_cls``; one
+    whose decoder differs otherwise (MiniCPM) sets ``model_cls``.
     """
 
     attention_cls: type[LlamaAttention] = LlamaAttention
+    model_cls: type[LlamaModel] = LlamaModel
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -155,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         tp = TPArgs(tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         self.config = config
-        self.model = LlamaModel(config, self.attention_cls, **tp)
+        self.model = self.model_cls(config, self.attention_cls, **tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, **tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
