@@ -59,6 +59,6 @@ fi
   || echo "note: the C++ attention kernel did not build; attention on the CPU will use the torch path" >&2
 # Compiles the default model's forward (inductor, C++) into ~/.cache/vllm_from_scratch, so that the
 # engine's first start loads it instead of compiling for minutes (enforce_eager=True skips both).
-.venv/bin/python -m vllm_from_scratch.compilation \
+.venv/bin/python -m vllm_from_scratch.precompile \
   || echo "note: the forward did not compile; the engine will run it eagerly" >&2
 echo "set-up done: source .venv/bin/activate"

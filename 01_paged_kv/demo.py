@@ -25,7 +25,7 @@ import torch
 from block_manager import BlockManager, cdiv
 from kv_cache import bytes_per_block, num_blocks_for_budget
 from sequence import Sequence
-from vllm_from_scratch.viz import add_trace_argument
+from vllm_from_scratch.tools.viz import add_trace_argument
 
 # SmolLM2-135M-Instruct, the book's default model.
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 30, 3, 64, torch.bfloat16
@@ -115,7 +115,7 @@ def trace(path: str) -> None:
     """``--trace``: block tables in the real engine. Three chat requests on the default model
     (prefix caching off, so every block is a request's own); the third arrives one step later,
     after the first has crossed into its third block."""
-    from vllm_from_scratch.viz import Arrival, demo_trace
+    from vllm_from_scratch.tools.viz import Arrival, demo_trace
 
     demo_trace(
         path,

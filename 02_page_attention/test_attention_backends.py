@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from attention_backends import paged_attention, select_backend
+from attention_backends import AttentionMetadata, select_backend
+from attention_backends import paged_attention as dispatch
 from flash_attention import HAS_FLASH_ATTN
 from paged_attention import paged_attention_decode, paged_attention_varlen
 from paged_attention_cpu import cpu_kernel_available, paged_attention_decode_cpu, paged_attention_varlen_cpu
@@ -17,6 +18,12 @@ def _batch(q_lens, kv_lens, dtype=torch.float32, device="cpu", hq=4, hkv=2, d=16
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     lens = torch.tensor(kv_lens, dtype=torch.int32)
     return [t.to(device) for t in (q, k_cache, v_cache, cu, lens, bt)]
+
+
+def paged_attention(q, kc, vc, cu, lens, bt, scale, max_seqlen_q, backend="auto"):
+    """The dispatcher on the batch's record (nothing to store: the K/V is in the cache already)."""
+    md = AttentionMetadata(torch.full((q.shape[0],), -1, device=q.device), cu, lens, bt, max_seqlen_q)
+    return dispatch(q, kc, vc, md, scale, backend)
 
 
 def test_auto_on_cpu_picks_the_cpp_kernel_where_it_builds_and_equals_its_parts():

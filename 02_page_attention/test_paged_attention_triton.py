@@ -14,7 +14,7 @@ import contextlib
 import pytest
 import torch
 
-from attention_backends import paged_attention
+from attention_backends import AttentionMetadata, paged_attention
 from paged_attention import dense_attention_reference, paged_attention_decode, paged_attention_varlen
 from paged_attention_triton import paged_attention_decode_triton, paged_attention_varlen_triton
 from test_paged_attention import TOL, assert_each_sequence_matches_dense, build_paged, decode_batch
@@ -166,12 +166,11 @@ def test_decode_step_reads_nothing_back_given_the_host_side_lengths(monkeypatch)
     ref_dec = paged_attention_decode(q, k_cache, v_cache, bt, lens, 0.3)
     ref_var = paged_attention_varlen(q_var, k_cache, v_cache, cu, lens, bt, 0.3)
     q, q_var, k_cache, v_cache, bt, lens, cu = (t.to(KERNEL_DEVICE) for t in (q, q_var, k_cache, v_cache, bt, lens, cu))
-    cu_dec = _cu([1, 1, 1]).to(KERNEL_DEVICE)
+    no_slots = torch.full((3,), -1, device=KERNEL_DEVICE)
+    md = AttentionMetadata(no_slots, _cu([1, 1, 1]).to(KERNEL_DEVICE), lens, bt, max_seqlen_q=1, max_seqlen_k=12)
     with _no_reads_back_to_the_host(monkeypatch):
         dec = paged_attention_decode_triton(q, k_cache, v_cache, bt, lens, 0.3, max_seqlen_k=12)
-        engine_dec = paged_attention(
-            q, k_cache, v_cache, cu_dec, lens, bt, 0.3, max_seqlen_q=1, backend="triton", max_seqlen_k=12
-        )
+        engine_dec = paged_attention(q, k_cache, v_cache, md, 0.3, backend="triton")
         var = paged_attention_varlen_triton(q_var, k_cache, v_cache, cu, lens, bt, 0.3, max_seqlen_q=4, max_seqlen_k=12)
     torch.testing.assert_close(dec.cpu(), ref_dec)
     torch.testing.assert_close(engine_dec.cpu(), ref_dec)

@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from vllm_from_scratch.viz import add_trace_argument
+from vllm_from_scratch.tools.viz import add_trace_argument
 
 
 def workload(num_requests: int, system_len: int, seed: int = 0) -> list[list[int]]:
@@ -129,7 +129,7 @@ def trace(path: str) -> None:
     """``--trace``: four chat requests on the default model share a system prompt and arrive
     two steps apart; each later one finds the prompt's blocks in the prefix cache and shares
     them (reference counts above 1)."""
-    from vllm_from_scratch.viz import Arrival, demo_trace
+    from vllm_from_scratch.tools.viz import Arrival, demo_trace
 
     system = (
         "You are a patient teacher of computer science. You explain ideas to students who are new to "

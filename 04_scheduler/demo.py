@@ -20,7 +20,7 @@ from block_manager import BlockManager, cdiv
 from prefill_first import PrefillFirstScheduler
 from scheduler import Request, Scheduler
 from scheduler_testing import FakeModel, true_completion
-from vllm_from_scratch.viz import add_trace_argument
+from vllm_from_scratch.tools.viz import add_trace_argument
 
 VOCAB = 50
 
@@ -29,7 +29,7 @@ def trace(path: str) -> None:
     """``--trace``: the same story in the real engine. Four chat requests on the default model
     share a KV cache of 16 blocks; their 40-token answers do not all fit, so the newest is
     preempted, waits, and is recomputed (finding its prompt in the prefix cache)."""
-    from vllm_from_scratch.viz import Arrival, demo_trace
+    from vllm_from_scratch.tools.viz import Arrival, demo_trace
 
     demo_trace(
         path,

@@ -37,7 +37,7 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -246,6 +246,27 @@ class SchedulerOutput:
         spec = self.scheduled_spec_decode_tokens.get(rid, [])
         end = start + self.num_scheduled_tokens[rid] - len(spec)
         return request.token_ids[start:end] + spec
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step gave one request that sampled (vLLM V1's ``EngineCoreOutput``), as
+    :meth:`Scheduler.update_from_output` returns it.
+
+    ``new_token_ids`` joined the request this step: one sampled token, or the accepted drafts and
+    one more, cut after a token that ended it. ``finish_reason`` is the ``FINISHED_*`` status it
+    ended with in this step (a stop token, or ``max_tokens``), None while it runs.
+    ``num_cached_tokens`` is :class:`Request`'s: the prompt tokens it found in the prefix cache.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: RequestStatus | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class FCFSQueue:
@@ -621,19 +642,24 @@ class Scheduler:
         self.waiting.add_preempted(req)
 
     # ------------------------------------------------------------------ after the forward
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[Request]:
-        """Fold one forward's results back in; returns the requests that finished in it.
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, list[int]]
+    ) -> list[EngineCoreOutput]:
+        """Fold one forward's results back in; returns what each request that sampled gained.
 
         ``sampled_token_ids[rid]`` lists the tokens a sampling request produced: its accepted
         draft tokens then one more (so ``len - 1`` of its ``k`` drafts were accepted). Requests
-        that sampled nothing (a prompt chunk) may be missing or map to an empty list.
+        that sampled nothing (a prompt chunk) may be missing or map to an empty list. Each
+        :class:`EngineCoreOutput` holds the tokens that joined its request (a stop among the
+        accepted drafts drops those after it) and, if the request ended here, its final status.
         """
-        finished: list[Request] = []
+        outputs: list[EngineCoreOutput] = []
         for req in output.scheduled_requests:
             rid = req.request_id
             if self.requests.get(rid) is not req or req.status != RequestStatus.RUNNING:
                 continue  # finished or aborted between schedule() and now
             num_computed = req.num_computed_tokens + output.num_scheduled_tokens[rid]
+            new_token_ids: list[int] | None = None  # None: a prompt chunk that samples nothing
             status = None
             if output.produces_token(rid):
                 sampled = sampled_token_ids.get(rid) or []
@@ -645,7 +671,7 @@ class Scheduler:
                 num_computed -= num_spec - (len(sampled) - 1)  # rejected drafts are recomputed
                 self.num_draft_tokens += num_spec
                 self.num_accepted_tokens += len(sampled) - 1
-                status = self._append_tokens(req, sampled)
+                new_token_ids, status = self._append_tokens(req, sampled)
             req.spec_token_ids = []
             if status is not None:
                 # A stop among the accepted drafts drops the tokens after it, and their K/V.
@@ -655,17 +681,20 @@ class Scheduler:
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
-                finished.append(req)
-        return finished
+            if new_token_ids is not None:
+                outputs.append(EngineCoreOutput(rid, new_token_ids, status, req.num_cached_tokens))
+        return outputs
 
-    def _append_tokens(self, req: Request, tokens: list[int]) -> RequestStatus | None:
-        for t in tokens:
+    def _append_tokens(self, req: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
+        """Append ``tokens`` up to the first that ends ``req``; the tokens appended and the
+        status they ended it with (None: it goes on)."""
+        for i, t in enumerate(tokens):
             req.append_token(t)
             if t in req.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
+                return tokens[: i + 1], RequestStatus.FINISHED_STOPPED
             if req.num_completion_tokens >= req.max_tokens:
-                return RequestStatus.FINISHED_LENGTH
-        return None
+                return tokens[: i + 1], RequestStatus.FINISHED_LENGTH
+        return tokens, None
 
     # ------------------------------------------------------------------ observation
     def get_stats(self) -> dict:

@@ -145,6 +145,15 @@ class WorkloadResult:
     params: dict = field(default_factory=dict)
 
 
+def check_gained(gained: list, live: list[Request], tokens_before: dict[str, int], seed: int) -> None:
+    """``update_from_output``'s return: one output per request that sampled and still ran, in
+    batch order, holding exactly the tokens it gained and, if it ended, its final status."""
+    assert [g.request_id for g in gained] == [r.request_id for r in live], f"seed {seed}: {gained}"
+    for g, req in zip(gained, live):
+        assert g.new_token_ids == req.token_ids[tokens_before[req.request_id] :], f"seed {seed}: {g}"
+        assert g.finish_reason == (req.status if req.is_finished else None), f"seed {seed}: {g}, {req}"
+
+
 def check_output(
     sched: Scheduler, out: SchedulerOutput, running_before: set[str], threshold: int | None = None
 ) -> None:
@@ -282,7 +291,10 @@ def run_random_workload(
             res.num_aborted += sched.abort_request(rng.choice(out.scheduled_requests).request_id)
         for toks in sampled.values():
             res.num_spec_accepted += len(toks) - 1
-        sched.update_from_output(out, sampled)
+        live = [r for r in out.sampling_requests if r.status == RequestStatus.RUNNING]
+        tokens_before = {r.request_id: r.num_tokens for r in live}
+        gained = sched.update_from_output(out, sampled)
+        check_gained(gained, live, tokens_before, seed)
         sched.check_invariants()
         step += 1
 

@@ -4,7 +4,7 @@ import pytest
 
 from block_manager import BlockManager
 from prefix_block_manager import PrefixCachingBlockManager
-from scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from scheduler import EngineCoreOutput, Request, RequestStatus, Scheduler, SchedulerOutput
 
 BS = 4
 
@@ -17,9 +17,9 @@ def step(sched, tokens=None, default=7):
     """One schedule + fake forward: every sampling request gets ``default`` (or ``tokens[rid]``)."""
     out = sched.schedule()
     sampled = {r.request_id: (tokens or {}).get(r.request_id, [default]) for r in out.sampling_requests}
-    finished = sched.update_from_output(out, sampled)
+    gained = sched.update_from_output(out, sampled)
     sched.check_invariants()
-    return out, finished
+    return out, gained
 
 
 def scheduled(out):
@@ -103,21 +103,23 @@ def test_add_request_rejects_what_could_never_run():
 # ---------------------------------------------------------------------- the two phases
 def test_prompts_run_whole_then_decode_one_token_each():
     s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks=16, block_size=BS)
-    s.add_request(req("a", 5, max_tokens=3))
+    s.add_request(a := req("a", 5, max_tokens=3))
     s.add_request(req("b", 9, max_tokens=2))
     out = s.schedule()
     assert not any(r.is_decoding for r in out.scheduled_requests)  # prompts; valid until the update
-    s.update_from_output(out, {"a": [7], "b": [7]})
+    gained = s.update_from_output(out, {"a": [7], "b": [7]})
+    assert gained == [EngineCoreOutput("a", [7]), EngineCoreOutput("b", [7])]
     assert scheduled(out) == [("a", 5), ("b", 9)] and out.total_num_scheduled_tokens == 14
     assert out.num_computed_tokens == {"a": 0, "b": 0} and out.admitted_request_ids == ["a", "b"]
     assert out.sampling_request_ids == {"a", "b"} and all(r.is_decoding for r in out.scheduled_requests)
     assert s.requests["a"].num_computed_tokens == 5 and s.requests["a"].completion_token_ids == [7]
-    out, fin = step(s)
+    out, gained = step(s)
     assert scheduled(out) == [("a", 1), ("b", 1)] and out.num_computed_tokens == {"a": 5, "b": 9}
-    assert [r.request_id for r in fin] == ["b"] and fin[0].status == RequestStatus.FINISHED_LENGTH
-    out, fin = step(s)
+    assert gained == [EngineCoreOutput("a", [7]), EngineCoreOutput("b", [7], RequestStatus.FINISHED_LENGTH)]
+    out, gained = step(s)
     assert scheduled(out) == [("a", 1)] and out.finished_request_ids == {"b"}
-    assert fin[0].completion_token_ids == [7, 7, 7] and not s.has_requests()
+    assert gained == [EngineCoreOutput("a", [7], RequestStatus.FINISHED_LENGTH)] and gained[0].finished
+    assert a.completion_token_ids == [7, 7, 7] and not s.has_requests()
     assert s.block_manager.all_blocks_free()
 
 
@@ -334,11 +336,14 @@ def test_eos_stops_unless_ignored():
     s = Scheduler(4, 64, 16, block_size=BS)
     s.add_request(req("stops", 3, max_tokens=10, eos_token_id=2))
     s.add_request(req("ignores", 3, max_tokens=3, eos_token_id=2, ignore_eos=True))
-    _, fin = step(s, default=2)
-    assert [(r.request_id, r.status) for r in fin] == [("stops", RequestStatus.FINISHED_STOPPED)]
+    ignores = s.requests["ignores"]
+    _, gained = step(s, default=2)
+    ended = [(g.request_id, g.finish_reason) for g in gained if g.finished]
+    assert ended == [("stops", RequestStatus.FINISHED_STOPPED)]
     step(s, default=2)
-    _, fin = step(s, default=2)
-    assert fin[0].completion_token_ids == [2, 2, 2] and fin[0].status == RequestStatus.FINISHED_LENGTH
+    _, gained = step(s, default=2)
+    assert gained == [EngineCoreOutput("ignores", [2], RequestStatus.FINISHED_LENGTH)]
+    assert ignores.completion_token_ids == [2, 2, 2]
 
 
 def test_update_rejects_missing_or_extra_tokens():
@@ -396,8 +401,9 @@ def test_eos_among_accepted_drafts_truncates():
     step(s)
     a.spec_token_ids = [2, 8, 9]
     out = s.schedule()
-    fin = s.update_from_output(out, {"a": [2, 8, 9, 4]})
-    assert fin == [a] and a.completion_token_ids == [7, 2] and a.status == RequestStatus.FINISHED_STOPPED
+    gained = s.update_from_output(out, {"a": [2, 8, 9, 4]})
+    assert gained == [EngineCoreOutput("a", [2], RequestStatus.FINISHED_STOPPED)], "tokens after the stop are dropped"
+    assert a.completion_token_ids == [7, 2] and a.status == RequestStatus.FINISHED_STOPPED
     assert s.block_manager.all_blocks_free()
 
 

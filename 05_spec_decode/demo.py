@@ -34,7 +34,7 @@ from spec_decode import (  # noqa: E402
     speculative_generate,
 )
 from triton_setup import KERNEL_DEVICE  # noqa: E402
-from vllm_from_scratch.viz import add_trace_argument  # noqa: E402
+from vllm_from_scratch.tools.viz import add_trace_argument  # noqa: E402
 
 
 def toy_sampler(num_rows: int, seed: int) -> None:
@@ -125,7 +125,7 @@ def real_models(max_new: int, k: int, draft_layers: int, draft_tokens: int) -> N
 def trace(path: str) -> None:
     """``--trace``: n-gram drafts (k=4) in the real engine, on the default model and the prompt
     it has to copy: each verify step shows how many drafts the target accepted."""
-    from vllm_from_scratch.viz import Arrival, demo_trace
+    from vllm_from_scratch.tools.viz import Arrival, demo_trace
 
     demo_trace(
         path,

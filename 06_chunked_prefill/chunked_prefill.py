@@ -16,8 +16,8 @@ an order: decoding requests are visited first, so a long prefill can never take 
 :class:`SchedulerInfo` describes such a mixed batch as one merged input (``merge_prompt``,
 ``chunk_len``, ``last_pos`` ...), built from a :class:`scheduler.SchedulerOutput`;
 :func:`build_batch_inputs` turns a step into the flat tensors one forward pass needs
-(``input_ids``, ``positions``, ``cu_seqlens_q``, ``seq_lens_k``, ``slot_mapping``,
-``block_tables``, ``logits_indices``).
+(``input_ids``, ``positions``, ``logits_indices``, and chapter 02's ``AttentionMetadata``:
+``cu_seqlens_q``, ``seq_lens_k``, ``slot_mapping``, ``block_tables``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attention_backends import AttentionMetadata
 from block_manager import BlockManager
 from kv_cache import build_slot_mapping
 from scheduler import KVConnector, Request, Scheduler, SchedulerOutput
@@ -187,17 +188,15 @@ class SchedulerInfo:
 
 @dataclass
 class BatchInputs:
-    """The flat tensors of one forward over a mixed batch (``T`` tokens, ``B`` requests)."""
+    """The flat tensors of one forward over a mixed batch (``T`` tokens, ``B`` requests): the
+    model's inputs, the batch as attention reads it (chapter 02's :class:`AttentionMetadata`:
+    ``slot_mapping``, ``cu_seqlens_q``, ``seq_lens_k``, ``block_tables`` padded with 0 and never
+    read past ``seq_lens_k``, ``max_seqlen_q``, ``max_seqlen_k``), and the rows that sample."""
 
     input_ids: torch.Tensor  # [T] merge_prompt
     positions: torch.Tensor  # [T] position of each token in its own request
-    cu_seqlens_q: torch.Tensor  # [B + 1] int32 offsets of each request's tokens
-    seq_lens_k: torch.Tensor  # [B] int32 keys each request attends to (cached + new)
-    slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V goes to
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 (never read past seq_lens_k)
+    attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [S] rows whose logits sample (info.logits_indices)
-    max_seqlen_q: int
-    max_seqlen_k: int
 
 
 def build_batch_inputs(info: SchedulerInfo, block_size: int, device: torch.device | str = "cpu") -> BatchInputs:
@@ -224,11 +223,13 @@ def build_batch_inputs(info: SchedulerInfo, block_size: int, device: torch.devic
     return BatchInputs(
         input_ids=to(torch.tensor(info.merge_prompt, dtype=torch.long, device=host)),
         positions=to(positions),
-        cu_seqlens_q=to(cu_seqlens_q),
-        seq_lens_k=to(seq_lens_k),
-        slot_mapping=to(slot_mapping),
-        block_tables=to(tables),
+        attn_metadata=AttentionMetadata(
+            slot_mapping=to(slot_mapping),
+            cu_seqlens_q=to(cu_seqlens_q),
+            seq_lens_k=to(seq_lens_k),
+            block_tables=to(tables),
+            max_seqlen_q=int(lens.max()),
+            max_seqlen_k=int(seq_lens_k.max()),
+        ),
         logits_indices=to(torch.tensor(info.logits_indices, dtype=torch.long, device=host)),
-        max_seqlen_q=int(lens.max()),
-        max_seqlen_k=int(seq_lens_k.max()),
     )

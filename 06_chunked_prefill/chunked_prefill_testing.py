@@ -28,7 +28,7 @@ class FakeBatchModel(FakeModel):
         info = SchedulerInfo.from_scheduler_output(out)
         batch = build_batch_inputs(info, self.bm.block_size)
         input_ids = batch.input_ids.tolist()
-        for token, slot, pos in zip(input_ids, batch.slot_mapping.tolist(), batch.positions.tolist()):
+        for token, slot, pos in zip(input_ids, batch.attn_metadata.slot_mapping.tolist(), batch.positions.tolist()):
             self.kv[slot] = (token, pos)
         self.num_forward_tokens += len(input_ids)
         rows = batch.logits_indices.tolist()

@@ -67,9 +67,10 @@ class ToyLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, inp: BatchInputs, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, inp.positions)
-        store_kvcache(k, v, k_cache, v_cache, inp.slot_mapping)
+        md = inp.attn_metadata
+        store_kvcache(k, v, k_cache, v_cache, md.slot_mapping)
         o = paged_attention_varlen(
-            q, k_cache, v_cache, inp.cu_seqlens_q, inp.seq_lens_k, inp.block_tables, self.scale, causal=True
+            q, k_cache, v_cache, md.cu_seqlens_q, md.seq_lens_k, md.block_tables, self.scale, causal=True
         )
         return self._mlp(x + self.o_proj(o.reshape(x.shape[0], -1)))
 

@@ -21,7 +21,7 @@ import torch
 from chunked_prefill import ChunkedPrefillScheduler, SchedulerInfo
 from chunked_toy_model import ToyRunner, ToyTransformer
 from scheduler import Request, Scheduler
-from vllm_from_scratch.viz import add_trace_argument
+from vllm_from_scratch.tools.viz import add_trace_argument
 
 BS = 4
 
@@ -64,7 +64,7 @@ def trace(path: str) -> None:
     """``--trace``: the same story in the real engine. Two chat requests on the default model
     are decoding when a prompt of about 200 tokens arrives; with a budget of 48 tokens a step,
     it goes through in chunks beside their decodes."""
-    from vllm_from_scratch.viz import Arrival, demo_trace
+    from vllm_from_scratch.tools.viz import Arrival, demo_trace
 
     long = "Summarize this: " + " ".join(
         ["The engine schedules tokens, not requests, and every step has a budget."] * 12

@@ -117,15 +117,16 @@ def test_scheduler_info_describes_a_mixed_batch():
         f"positions {inp.positions.tolist()}: each chunk continues after the tokens already in its cache "
         "(d has 3), it does not restart at 0"
     )
-    assert inp.cu_seqlens_q.tolist() == [0, 3, 8] and inp.seq_lens_k.tolist() == [6, 5], (
-        f"cu_seqlens_q {inp.cu_seqlens_q.tolist()}: a leading 0, then the running sum of the chunk lengths"
+    md = inp.attn_metadata
+    assert md.cu_seqlens_q.tolist() == [0, 3, 8] and md.seq_lens_k.tolist() == [6, 5], (
+        f"cu_seqlens_q {md.cu_seqlens_q.tolist()}: a leading 0, then the running sum of the chunk lengths"
     )
     bm = s.block_manager
     d, p = out.scheduled_requests
-    assert inp.slot_mapping.tolist() == bm.slot_mapping(d, 3, 6) + bm.slot_mapping(p, 0, 5)
-    assert inp.block_tables.tolist() == [d.block_table, p.block_table]
-    assert (inp.max_seqlen_q, inp.max_seqlen_k) == (5, 6) and inp.logits_indices.tolist() == [0, 1, 2]
-    assert inp.cu_seqlens_q.dtype == inp.seq_lens_k.dtype == torch.int32
+    assert md.slot_mapping.tolist() == bm.slot_mapping(d, 3, 6) + bm.slot_mapping(p, 0, 5)
+    assert md.block_tables.tolist() == [d.block_table, p.block_table]
+    assert (md.max_seqlen_q, md.max_seqlen_k) == (5, 6) and inp.logits_indices.tolist() == [0, 1, 2]
+    assert md.cu_seqlens_q.dtype == md.seq_lens_k.dtype == torch.int32 and not md.is_decode
     with pytest.raises(ValueError, match="empty"):
         build_batch_inputs(SchedulerInfo(), BS)
 

@@ -1,7 +1,7 @@
 """Redraw the chapter READMEs' viewer screenshots: each chapter's idea, caught in the engine.
 
 For each chapter, its demo's ``--trace`` runs the chapter's scenario through the real engine on
-the default model; the trace becomes a viewer page (``python -m vllm_from_scratch.viz``);
+the default model; the trace becomes a viewer page (``python -m vllm_from_scratch.tools.viz``);
 headless Chromium opens it at the step that teaches the idea and saves the screenshot beside
 the chapter's README:
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "07_engine"))  # viz_testing: where the browser is
 
 from viz_testing import BROWSER_PATHS  # noqa: E402
 from vllm_from_scratch.step_trace import Record, read_trace  # noqa: E402
-from vllm_from_scratch.viz import write_page  # noqa: E402
+from vllm_from_scratch.tools.viz import write_page  # noqa: E402
 
 VIEWPORT = {"width": 1300, "height": 820}
 

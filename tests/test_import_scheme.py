@@ -93,3 +93,58 @@ def test_every_chapter_has_readme_demo_and_tests(chapter):
     assert (d / "README.md").is_file(), f"{chapter} has no README.md"
     assert (d / "demo.py").is_file(), f"{chapter} has no demo.py"
     assert list(d.glob("test_*.py")) or list(d.glob("tests/test_*.py")), f"{chapter} has no tests"
+
+
+PACKAGE = ROOT / "07_engine" / "vllm_from_scratch"
+
+
+def _module_name(path: Path) -> str:
+    """The dotted name of a file of the engine package (a package's ``__init__`` is the package)."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_modules(path: Path, known: set[str]) -> set[str]:
+    """Every module of ``known`` that ``path`` imports anywhere: at the top, inside functions,
+    under ``if TYPE_CHECKING:`` (mypy follows those, and a circle there is a circle to a reader)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            # `from package import module` names a module; `from module import name` does not.
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found.update(name for name in names if name in known)
+    return found
+
+
+def test_the_book_has_no_import_cycle():
+    """Chapter modules (by their book-wide names) and the engine package's modules, every import
+    walked: a later module may import an earlier one, never the other way round."""
+    files = {f.stem: f for f in chapter_modules()}
+    files.update({_module_name(f): f for f in PACKAGE.rglob("*.py")})
+    graph = {name: _imported_modules(f, set(files)) - {name} for name, f in files.items()}
+    assert "vllm_from_scratch.engine" in graph and "scheduler" in graph["vllm_from_scratch.engine"]
+    # Depth-first search; a module met again while it is still open closes a circle.
+    state: dict[str, str] = {}
+    stack: list[str] = []
+
+    def visit(name: str) -> None:
+        state[name] = "open"
+        stack.append(name)
+        for dep in sorted(graph[name]):
+            if state.get(dep) == "open":
+                circle = stack[stack.index(dep) :] + [dep]
+                raise AssertionError("import cycle: " + " -> ".join(circle))
+            if dep not in state:
+                visit(dep)
+        stack.pop()
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)

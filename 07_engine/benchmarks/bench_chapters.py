@@ -71,11 +71,11 @@ def run(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int], Sampli
             timeline.arrival[rid] = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
-        for out in outputs:
-            if out.new_token_ids:
+        for out in outputs:  # the default output kind: each record holds everything so far
+            (completion,) = out.outputs
+            if len(completion.token_ids) > len(timeline.outputs.get(out.request_id, [])):
                 timeline.token_times.setdefault(out.request_id, []).append(now)
-            if out.finished:
-                timeline.outputs[out.request_id] = out.completion_token_ids
+            timeline.outputs[out.request_id] = completion.token_ids
         step += 1
     return timeline
 

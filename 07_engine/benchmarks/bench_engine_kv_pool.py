@@ -158,7 +158,9 @@ def prefill_decode(model: str, args, master, tmp: Path) -> dict:
     with (
         ServerProcess(serve_args(model, args, {**pool, "kv_role": "kv_producer"}), env=one_core) as prefill,
         ServerProcess(serve_args(model, args, {**pool, "kv_role": "kv_consumer"}), env=one_core) as decode,
-        ServerProcess(["vllm_from_scratch.disagg_proxy", "--prefill", prefill.url, "--decode", decode.url]) as proxy,
+        ServerProcess(
+            ["vllm_from_scratch.tools.disagg_proxy", "--prefill", prefill.url, "--decode", decode.url]
+        ) as proxy,
     ):
         results["prefill + decode (1 core each)"] = load_test(proxy.url, args, tmp / "pd.json")
     print(

@@ -119,7 +119,7 @@ def run_one(model_dir: str, tp: int, args) -> dict:
     engine.step()
     decode = engine.scheduler.schedule()
     payload = len(pickle.dumps(("execute_model", (decode,), {})))
-    engine.scheduler.update_from_output(decode, engine.executor.call("execute_model", decode))
+    engine.scheduler.update_from_output(decode, engine.executor.call("execute_model", decode).sampled_token_ids)
     while engine.has_unfinished_requests():
         engine.step()
     tokens = sum(len(o["token_ids"]) for o in outs)

@@ -149,7 +149,7 @@ def _rejection_case(batch: int, k: int, vocab: int, device: str) -> dict:
 def kernels(out: Path, dry_run: bool) -> None:
     """Each Triton kernel against the torch reference (computed in float32 from the same inputs),
     at the engine's shapes; a dry run keeps the shapes and shortens the sequences."""
-    from attention_backends import paged_attention
+    from attention_backends import AttentionMetadata, paged_attention
     from store_kvcache import store_kvcache_torch, store_kvcache_triton
     from triton_setup import HAS_TRITON, INTERPRETED
 
@@ -171,11 +171,9 @@ def kernels(out: Path, dry_run: bool) -> None:
         for bs in block_sizes:
             for kind, (q_lens, kv_lens) in (("decode", ([1] * len(decode_lens), decode_lens)), ("varlen", varlen)):
                 q, kc, vc, cu, lens, bt = _paged_inputs(q_lens, kv_lens, hq, hkv, d, bs, dtype, device)
-                args = (cu, lens, bt, d**-0.5)
-                got = paged_attention(q, kc, vc, *args, max_seqlen_q=max(q_lens), backend="triton")
-                ref = paged_attention(
-                    q.float(), kc.float(), vc.float(), *args, max_seqlen_q=max(q_lens), backend="torch"
-                )
+                md = AttentionMetadata(torch.full((q.shape[0],), -1, device=q.device), cu, lens, bt, max(q_lens))
+                got = paged_attention(q, kc, vc, md, d**-0.5, backend="triton")
+                ref = paged_attention(q.float(), kc.float(), vc.float(), md, d**-0.5, backend="torch")
                 err = (got.float() - ref).abs().max().item()
                 ok = err <= tolerance[dtype]
                 failed += not ok

@@ -38,10 +38,10 @@ from collections import defaultdict
 import torch
 from tqdm.auto import tqdm
 
+from attention_backends import AttentionMetadata
 from block_manager import cdiv
 from vllm_from_scratch import default_model_dir
 from vllm_from_scratch.config import EngineConfig
-from vllm_from_scratch.layers.attention import AttentionMetadata
 from vllm_from_scratch.layers.prepacked import FLOAT32_MIN_ROWS, PrepackableWeight, prepack_model
 from vllm_from_scratch.model_runner import ModelRunner
 
@@ -125,7 +125,6 @@ class Batches:
             block_tables=block_tables,
             max_seqlen_q=max(q_lens),
             max_seqlen_k=max(k_lens),
-            is_decode=max(q_lens) == 1,
         )
         input_ids = torch.randint(0, self.vocab, (len(positions),), generator=torch.Generator().manual_seed(0))
         logits_indices = cu[1:].long() - 1
@@ -212,9 +211,9 @@ ENGINE_PHASES = (
     ("model_runner", "build_batch_inputs", "build inputs"),
     ("runner", "_forward", "forward"),
     ("runner", "_logits", "LM head"),
-    ("runner", "sampler", "sample"),
+    ("sampler", "sample", "sample"),
     ("scheduler", "update_from_output", "update"),
-    ("engine", "_process", "detokenize"),
+    ("output_processor", "process_outputs", "detokenize"),
 )
 
 
@@ -231,8 +230,9 @@ def time_engine_phases(args: argparse.Namespace) -> None:
         enforce_eager=not args.compile,
     ).llm_engine
     spent: dict[str, float] = defaultdict(float)
-    owners = {"scheduler": engine.scheduler, "model_runner": model_runner, "runner": engine.executor.runner}
-    owners["engine"] = engine
+    runner = engine.executor.runner
+    owners = {"scheduler": engine.scheduler, "model_runner": model_runner, "runner": runner}
+    owners.update(sampler=runner.sampler, output_processor=engine.output_processor)
     for owner, attr, label in ENGINE_PHASES:
         fn = getattr(owners[owner], attr)
 
@@ -264,14 +264,14 @@ def time_engine_phases(args: argparse.Namespace) -> None:
         for b in args.batch_sizes:
             for _ in range(b):
                 engine.add_request(prompt(args.context_len), params)
-            while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+            while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
                 engine.step()
             spent.clear()
             start = time.perf_counter()
             for _ in range(args.iters):
                 engine.step()
             report(f"decode B={b}", args.iters, time.perf_counter() - start)
-            for rid in list(engine.requests):
+            for rid in list(engine.scheduler.requests):
                 engine.abort_request(rid)
             engine.step()
         for n in args.prefill_lens:

@@ -14,13 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from attention_backends import AttentionMetadata
 from block_manager import BlockManager
 from chunked_prefill import SchedulerInfo, build_batch_inputs
 from gpu_standin import StandInMemory, cpu_gpu_platform
 from sequence import Sequence
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.cuda_graph import CUDAGraphRunner, capture_batch_sizes
-from vllm_from_scratch.layers.attention import AttentionMetadata
 from vllm_from_scratch.model_runner import ModelRunner
 
 BLOCK = 8
@@ -77,7 +77,6 @@ def _decode_metadata(n: int, width: int, seed: int = 0) -> tuple[torch.Tensor, t
         block_tables=torch.randint(0, 25, (n, width), generator=g).int(),
         max_seqlen_q=1,
         max_seqlen_k=int(pos.max()) + 1,
-        is_decode=True,
     )
     return ids, pos, md
 
@@ -134,7 +133,7 @@ def test_can_run_only_pure_decode_batches_that_fit():
     assert runner.can_run(ids, md)
     big_ids, _, big_md = _decode_metadata(5, 2)
     assert not runner.can_run(big_ids, big_md)  # above max_num_seqs
-    md.is_decode = False
+    md.max_seqlen_q = 2  # a request brings two tokens: no longer a decode
     assert not runner.can_run(ids, md)
     with pytest.raises(ValueError, match="n must be"):
         runner.padded_batch_size(5)
@@ -187,7 +186,7 @@ def _graph_equals_eager(model_dir: str, device: str, num_seqs: int) -> None:
     assert runner.kv_cache.count_nonzero() == 0, "capturing wrote into the KV cache"
     seqs = _prefill(runner, num_seqs)
     batch = build_batch_inputs(SchedulerInfo.from_sequences(seqs, [1] * len(seqs)), BLOCK, runner.device)
-    md = ModelRunner.attention_metadata(batch)
+    md = batch.attn_metadata
     assert runner.graph_runner.can_run(batch.input_ids, md)
     kv_before = runner.kv_cache.clone()
     eager = runner.model(batch.input_ids, batch.positions, md).clone()

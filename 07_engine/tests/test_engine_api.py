@@ -7,6 +7,7 @@ import torch
 
 from test_engine_parity import BLOCK, GREEDY, assert_no_leak, hf_greedy, make_prompts
 from vllm_from_scratch import LLM, LLMEngine, RequestOutput, SamplingParams
+from vllm_from_scratch.sampling_params import RequestOutputKind
 
 
 @pytest.fixture(scope="module")
@@ -104,20 +105,27 @@ def test_dtype_auto_on_a_cpu_is_bfloat16_only_where_it_is_native(monkeypatch, ti
 def test_streaming_outputs_add_up(llm, tiny_llama_dir):
     engine = llm.llm_engine
     prompt = make_prompts(10, (11,))[0]
-    rid = engine.add_request(prompt, GREEDY, request_id="stream")
+    delta = GREEDY.clone(output_kind=RequestOutputKind.DELTA)
+    rid = engine.add_request(prompt, delta, request_id="stream")
     pieces: list[RequestOutput] = []
     while engine.has_unfinished_requests():
         pieces += engine.step()
-    assert all(o.request_id == rid for o in pieces)
-    assert (
-        [t for o in pieces for t in o.new_token_ids]
-        == pieces[-1].completion_token_ids
-        == hf_greedy(tiny_llama_dir, tuple(prompt))
-    )
+    assert all(o.request_id == rid and len(o.outputs) == 1 for o in pieces)
+    deltas = [o.outputs[0] for o in pieces]
+    assert [t for c in deltas for t in c.token_ids] == hf_greedy(tiny_llama_dir, tuple(prompt))
     assert pieces[-1].finished and not any(o.finished for o in pieces[:-1])
-    assert pieces[-1].finish_reason in ("stop", "length") and pieces[-1].num_prompt_tokens == 11
+    assert deltas[-1].finish_reason in ("stop", "length") and pieces[-1].prompt_token_ids == prompt
+    # The same request with the default output kind: every record holds everything so far.
+    engine.add_request(prompt, GREEDY, request_id="cumulative")
+    cumulative = []
+    while engine.has_unfinished_requests():
+        cumulative += [o.outputs[0] for o in engine.step()]
+    assert [c.token_ids for c in cumulative] == [
+        [t for c in deltas[: i + 1] for t in c.token_ids] for i in range(len(deltas))
+    ]
+    assert [c.text for c in cumulative] == ["".join(c.text for c in deltas[: i + 1]) for i in range(len(deltas))]
     stats = engine.get_stats()
-    assert stats["generation_tokens_total"] >= len(pieces[-1].completion_token_ids)
+    assert stats["generation_tokens_total"] >= 2 * len(cumulative[-1].token_ids)
     assert set(stats) >= {
         "num_requests_running",
         "num_requests_waiting",
@@ -135,7 +143,7 @@ def test_duplicate_request_id(llm):
     with pytest.raises(ValueError, match="request_id"):
         engine.add_request([3, 4], GREEDY, request_id="dup")
     engine.abort_request("dup")
-    assert [o.finish_reason for o in engine.step()] == ["abort"]
+    assert [o.outputs[0].finish_reason for o in engine.step()] == ["abort"]
     assert_no_leak(llm)
 
 
@@ -153,8 +161,8 @@ def test_abort_mid_generation_frees_blocks(llm):
     while engine.has_unfinished_requests():
         outs += engine.step()
     done = {o.request_id: o for o in outs if o.finished}
-    assert done["a"].finish_reason == "abort" and done["b"].finish_reason == "length"
-    assert len(done["b"].completion_token_ids) == 3
+    assert done["a"].outputs[0].finish_reason == "abort" and done["b"].outputs[0].finish_reason == "length"
+    assert len(done["b"].outputs[0].token_ids) == 3
     assert_no_leak(llm)
 
 
@@ -170,7 +178,8 @@ def test_generation_stops_at_max_model_len(llm):
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
-    assert len(outs[-1].completion_token_ids) == 128 - 120 and outs[-1].finish_reason == "length"
+    (last,) = outs[-1].outputs
+    assert len(last.token_ids) == 128 - 120 and last.finish_reason == "length"
 
 
 def test_stop_token_ids_end_the_output(llm, tiny_llama_dir):
@@ -195,8 +204,11 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
 def test_a_seeded_request_draws_on_the_engines_device(llm):
     """Its generator lives where the logits do (a CPU generator meeting CUDA noise is refused)."""
     engine = llm.llm_engine
-    req = engine.make_request([3, 4, 5], SamplingParams(temperature=1.0, seed=5))
+    engine.add_request([3, 4, 5], SamplingParams(temperature=1.0, seed=5), request_id="seeded")
+    req = engine.scheduler.requests["seeded"]
     assert req.generator is not None and req.generator.device.type == engine.config.torch_device.type
+    engine.abort_request("seeded")
+    engine.step()
 
 
 @pytest.mark.cuda
@@ -277,4 +289,4 @@ def test_chapter_knobs_reach_the_scheduler_and_the_attention_layers(tiny_llama_d
     assert {a.backend for a in engine.executor.runner.attn_layers} == {"torch"}
     engine.add_request(make_prompts(14, (12,))[0], GREEDY, request_id="chunked")
     engine.step()
-    assert engine.requests["chunked"].num_computed_tokens == 5
+    assert engine.scheduler.requests["chunked"].num_computed_tokens == 5

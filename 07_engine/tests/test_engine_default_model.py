@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from vllm_from_scratch import LLM, SamplingParams, default_model_dir
-from vllm_from_scratch.engine import IncrementalDetokenizer
+from vllm_from_scratch.output_processor import IncrementalDetokenizer
+from vllm_from_scratch.sampling_params import RequestOutputKind
 
 # A small float32 engine on the default model (the warm-up is test_engine_warm_up.py's subject).
 SMALL_ENGINE = dict(dtype="float32", num_kvcache_blocks=64, max_model_len=512, warm_up=False, enforce_eager=True)
@@ -34,18 +35,21 @@ def test_the_capital_of_france_is_paris(llm):
 
 def test_stop_string_is_cut_from_text_and_stream(llm):
     engine = llm.llm_engine
-    engine.add_request(
-        chat(llm, "What is the capital of France?"),
-        SamplingParams(temperature=0.0, max_tokens=16, stop=["Paris"]),
-        request_id="s",
-    )
-    outs = []
-    while engine.has_unfinished_requests():
-        outs += engine.step()
-    last = outs[-1]
-    assert last.finished and last.finish_reason == "stop"
-    assert "Paris" not in last.text and last.text.strip()
-    assert "".join(o.new_text for o in outs) == last.text
+    question = chat(llm, "What is the capital of France?")
+    params = SamplingParams(temperature=0.0, max_tokens=16, stop=["Paris"])
+    texts = {}
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        engine.add_request(question, params.clone(output_kind=kind), request_id=kind.name)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o.outputs[0] for o in engine.step()]
+        last = outs[-1]
+        assert last.finished() and last.finish_reason == "stop" and last.stop_reason == "Paris"
+        assert all(not o.finished() for o in outs[:-1])
+        texts[kind] = [o.text for o in outs]
+    whole = texts[RequestOutputKind.CUMULATIVE][-1]
+    assert "Paris" not in whole and whole.strip()
+    assert "".join(texts[RequestOutputKind.DELTA]) == whole, "the streamed pieces add up to the text"
     assert engine.block_manager.all_blocks_free()
 
 

@@ -12,16 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chunked_prefill import SchedulerInfo
 from load_generator import RequestResult, summarize
-from spec_decode import rejection_sample
 from vllm_from_scratch.cuda_graph import CUDAGraphRunner, capture_batch_sizes
-from vllm_from_scratch.engine import IncrementalDetokenizer
 from vllm_from_scratch.layers.attention import AttentionMetadata
 from vllm_from_scratch.layers.layernorm import RMSNorm
 from vllm_from_scratch.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from vllm_from_scratch.layers.rotary_embedding import RotaryEmbedding, _llama3_inv_freq
-from vllm_from_scratch.model_runner import ModelRunner
 from vllm_from_scratch.openai_protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -31,7 +27,9 @@ from vllm_from_scratch.openai_protocol import (
     CompletionRequest,
     _SamplingFields,
 )
-from vllm_from_scratch.sampler import Sampler, SamplingTensors, apply_top_k_top_p
+from vllm_from_scratch.output_processor import IncrementalDetokenizer
+from vllm_from_scratch.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+from vllm_from_scratch.spec_decoding import RejectionSampler
 
 FLOAT32 = dict(atol=1e-6, rtol=1e-5)
 
@@ -314,54 +312,46 @@ def test_merged_weight_loader(differential):
     differential.run(check, examples=150)
 
 
-def _runner_stand_in(cls) -> ModelRunner:
-    """A model runner with only what verify_drafts uses: its device and its rejection sampler."""
-    runner = cls.__new__(cls)
-    runner.device = torch.device("cpu")
-    runner.rejection_sampler = rejection_sample
-    return runner
-
-
 def test_verify_drafts(differential):
-    runners = [_runner_stand_in(ModelRunner), _runner_stand_in(differential.twin(ModelRunner, "verify_drafts"))]
+    # verify_drafts reads neither the device's kernel choice nor the vocabulary size: the CPU's.
+    samplers = [
+        cls(torch.device("cpu"), 1 << 20)
+        for cls in (RejectionSampler, differential.twin(RejectionSampler, "verify_drafts"))
+    ]
 
     def check(rng):
         vocab = rng.randint(2, 20)
-        info, rows, request_ids, seeds, temps = SchedulerInfo(), 0, [], [], []
+        request_ids, drafts, seeds, temps = [], [], [], []
         for i in range(rng.randint(1, 5)):
-            kind = rng.choice(["decode", "decode", "chunk", "prompt"])
-            k = rng.randint(0, 3) if kind == "decode" else 0
-            chunk = [rng.randrange(vocab) for _ in range(1 + k if kind == "decode" else rng.randint(1, 6))]
-            info.add_row(f"r{i}", chunk, rng.randint(0, 9), [0], kind != "chunk", k, is_decoding=kind == "decode")
-            if kind != "chunk":
-                request_ids.append(f"r{i}")
-                seeds.append(rng.choice([None, rng.getrandbits(32)]))
-                temp = rng.choice([0.0, 0.7, 1.0])
-                temps += [temp] * (k + 1)
-                rows += k + 1
-        if not request_ids:
-            return
-        logits = _logits(rng, rows, vocab)
-        for row, token in enumerate(info.merge_prompt[:rows]):  # drafts the target often agrees with
-            if rng.random() < 0.5:
-                logits[row, token % vocab] = 20.0
+            k = rng.choice([0, 0, rng.randint(1, 3)])
+            request_ids.append(f"r{i}")
+            drafts.append([rng.randrange(vocab) for _ in range(k)])
+            seeds.append(rng.choice([None, rng.getrandbits(32)]))
+            temps += [rng.choice([0.0, 0.7, 1.0])] * (k + 1)
+        logits = _logits(rng, len(temps), vocab)
+        row = 0
+        for request_drafts in drafts:  # drafts the target often agrees with
+            for token in request_drafts:
+                if rng.random() < 0.5:
+                    logits[row, token] = 20.0
+                row += 1
+            row += 1
         torch_seed = rng.getrandbits(32)
 
-        def verify(runner):
+        def verify(sampler):
             torch.manual_seed(torch_seed)
             gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
-            row_gens = [g for g, n in zip(gens, info.num_sample_rows) for _ in range(n)] if any(gens) else None
-            sampling = SamplingTensors(torch.tensor(temps), None, None, row_gens, list(request_ids), gens)
-            return differential.call(runner.verify_drafts, logits.clone(), sampling, info)
+            row_gens = [g for g, d in zip(gens, drafts) for _ in range(len(d) + 1)] if any(gens) else None
+            metadata = SamplingMetadata(torch.tensor(temps), None, None, row_gens, list(request_ids), gens)
+            return differential.call(sampler.verify_drafts, logits.clone(), metadata, drafts)
 
         differential.agree(
-            f"verify_drafts over rows {list(zip(info.ids, info.chunk_prompts, info.num_spec, info.last_pos))} "
-            f"(id, tokens, drafts, last_pos), temperatures {temps}, seeds {seeds}",
-            verify(runners[0]),
-            verify(runners[1]),
-            meaning="sampling request i owns k_i + 1 consecutive logits rows; its drafts are the last k_i tokens of "
-            "its chunk; one rejection_sampler call on the padded [B, K+1, V] targets with self.rejection_noise "
-            "(seeded requests from their generators) keeps each request's accepted drafts plus one token",
+            f"verify_drafts of requests {request_ids} with drafts {drafts}, temperatures {temps}, seeds {seeds}",
+            verify(samplers[0]),
+            verify(samplers[1]),
+            meaning="sampling request i owns k_i + 1 consecutive logits rows; one rejection_sampler call on the "
+            "padded [B, K+1, V] targets with self.rejection_noise (seeded requests from their generators) keeps "
+            "each request's accepted drafts plus one token",
         )
 
     differential.run(check, examples=120)
@@ -464,7 +454,6 @@ def test_cuda_graph_runner_run(differential):
                 block_tables=torch.randint(0, 50, (n, width), generator=gen).int(),
                 max_seqlen_q=1,
                 max_seqlen_k=int(positions.max()) + 1,
-                is_decode=True,
             )
             ids = torch.randint(0, 100, (n,), generator=gen)
             history.append(f"run({n} requests, block tables {width} wide)")

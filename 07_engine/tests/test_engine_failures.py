@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from test_engine_parity import BLOCK, assert_no_leak
 from vllm_from_scratch import LLM, SamplingParams
 from vllm_from_scratch.errors import ParameterError
-from vllm_from_scratch.sampler import NO_TOKEN
+from vllm_from_scratch.sampler import NO_TOKEN, Sampler
 
 VOCAB = 512  # conftest's tiny checkpoints
 PROMPT = list(range(3, 60))
@@ -54,26 +54,25 @@ def test_a_vanishing_repetition_penalty_samples_among_the_infinite_logits(llm):
 
 
 def test_a_row_with_no_token_ends_only_its_request_with_an_error(llm, monkeypatch):
-    runner = llm.llm_engine.executor.runner
-    sample = runner.sampler.__class__.__call__
+    draw = Sampler.draw
 
-    def no_token_for_the_first_row(self, logits, *args):
-        sampled = sample(self, logits, *args)
+    def no_token_for_the_first_row(logits, *args):
+        sampled = draw(logits, *args)
         sampled[0] = NO_TOKEN
         return sampled
 
-    monkeypatch.setattr(type(runner.sampler), "__call__", no_token_for_the_first_row)
+    monkeypatch.setattr(Sampler, "draw", staticmethod(no_token_for_the_first_row))
     engine = llm.llm_engine
     engine.add_request(PROMPT, SamplingParams(max_tokens=4, temperature=0.0), request_id="doomed")
     engine.add_request(PROMPT[:9], SamplingParams(max_tokens=4, temperature=0.0), request_id="fine")
-    first = {o.request_id: o for o in engine.step()}
+    first = {o.request_id: o.outputs[0] for o in engine.step()}
     assert first["doomed"].finish_reason == "error" and "no token" in (first["doomed"].error or "")
-    assert first["doomed"].completion_token_ids == [], "the NO_TOKEN id must never join the sequence"
+    assert first["doomed"].token_ids == [], "the NO_TOKEN id must never join the sequence"
     monkeypatch.undo()
     outs = []
     while engine.has_unfinished_requests():
-        outs += engine.step()
-    assert [o.finish_reason for o in outs if o.finished] == ["length"]
+        outs += [o.outputs[0] for o in engine.step()]
+    assert [o.finish_reason for o in outs if o.finished()] == ["length"]
     assert_no_leak(llm)
 
 
@@ -92,9 +91,9 @@ def test_after_a_step_that_raises_the_engine_ends_its_requests_and_goes_on(llm, 
     with pytest.raises(RuntimeError, match="a kernel bug"):
         engine.step()  # offline, the exception reaches the caller, as in vLLM
     outs = engine.recover_from_failed_step(RuntimeError("a kernel bug"))
-    ends = sorted((o.request_id, o.finish_reason) for o in outs)
+    ends = sorted((o.request_id, o.outputs[0].finish_reason) for o in outs)
     assert ends == [("a", "error"), ("b", "error"), ("gone", "abort")], "every end is reported, the abort too"
-    assert all("a kernel bug" in (o.error or "") for o in outs if o.finish_reason == "error")
+    assert all("a kernel bug" in (o.outputs[0].error or "") for o in outs if o.outputs[0].finish_reason == "error")
     monkeypatch.undo()
     greedy = SamplingParams(temperature=0.0, max_tokens=5)
     assert llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].finish_reason == "length"

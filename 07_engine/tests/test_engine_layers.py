@@ -289,7 +289,7 @@ def test_a_mixed_batch_reaches_attention_as_chapter_06_builds_it():
     c = Sequence(list(range(30, 40)), block_size=4)  # chunk of 3 starting at 4, prompt of 10
     c.num_computed_tokens, c.block_table = 4, [7, 8]
     batch = build_batch_inputs(SchedulerInfo.from_sequences([a, b, c], [6, 1, 3]), 4)
-    md = ModelRunner.attention_metadata(batch)
+    md = batch.attn_metadata
     assert batch.input_ids.tolist() == list(range(10, 16)) + [28] + [34, 35, 36]
     assert batch.positions.tolist() == [0, 1, 2, 3, 4, 5, 8, 4, 5, 6]
     assert md.slot_mapping.tolist() == [20, 21, 22, 23, 8, 9, 12, 32, 33, 34]

@@ -114,7 +114,7 @@ def test_chunked_prefill_really_chunks(tiny_llama_dir):
     assert steps_without_output == 2
     while engine.has_unfinished_requests():
         outs += engine.step()
-    assert outs[-1].completion_token_ids == hf_greedy(tiny_llama_dir, tuple(prompt))
+    assert outs[-1].outputs[0].token_ids == hf_greedy(tiny_llama_dir, tuple(prompt))
     assert_no_leak(llm)
 
 
@@ -138,7 +138,7 @@ def test_mixed_batches_with_decodes_and_late_arrivals(tiny_qwen3_dir):
             engine.add_request(p, GREEDY, request_id=str(i))
         for out in engine.step():
             if out.finished:
-                done[int(out.request_id)] = out.completion_token_ids
+                done[int(out.request_id)] = out.outputs[0].token_ids
     for i, p in enumerate(prompts):
         assert done[i] == hf_greedy(tiny_qwen3_dir, tuple(p))
     assert_no_leak(llm)

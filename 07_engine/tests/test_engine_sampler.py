@@ -17,19 +17,19 @@ def _logits(rows: int, seed: int = 0) -> torch.Tensor:
 def test_greedy_rows_are_argmax_even_in_a_sampled_batch():
     logits = _logits(4)
     temps = torch.tensor([0.0, 1.0, 0.0, 0.7])
-    out = Sampler()(logits, temps)
+    out = Sampler.draw(logits, temps)
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
 
 
 def test_top_k_one_is_greedy_and_top_p_keeps_at_least_one():
     logits = _logits(3, 1)
     temps = torch.ones(3)
-    top_k = Sampler()(logits, temps, top_ks=torch.tensor([1, 1, 1]))
+    top_k = Sampler.draw(logits, temps, top_ks=torch.tensor([1, 1, 1]))
     assert torch.equal(top_k, logits.argmax(-1)), (
         f"top_k = 1 keeps only the most likely token (ranks >= top_k are masked, counting from 0): sampled "
         f"{top_k.tolist()}, argmax {logits.argmax(-1).tolist()}"
     )
-    top_p = Sampler()(logits, temps, top_ps=torch.tensor([1e-6] * 3))
+    top_p = Sampler.draw(logits, temps, top_ps=torch.tensor([1e-6] * 3))
     assert torch.equal(top_p, logits.argmax(-1)), (
         f"a tiny top_p still keeps the most likely token (a token is dropped when the tokens before it reach "
         f"top_p): sampled {top_p.tolist()}, argmax {logits.argmax(-1).tolist()}"
@@ -81,7 +81,7 @@ def test_sampled_frequencies_follow_the_tempered_distribution():
     logits = _logits(1, 3)
     temp = 0.8
     n = 40_000
-    out = Sampler()(logits.expand(n, V), torch.full((n,), temp))
+    out = Sampler.draw(logits.expand(n, V), torch.full((n,), temp))
     freq = torch.bincount(out, minlength=V).float() / n
     expected = (logits[0] / temp).softmax(-1)
     # 4 standard deviations of a binomial proportion at n = 40k: about 0.01 at most.
@@ -97,14 +97,14 @@ def test_seeded_rows_ignore_the_rest_of_the_batch():
     def run(batch_seed: int) -> int:
         torch.manual_seed(batch_seed)
         gens = [None, torch.Generator().manual_seed(7), None]
-        return int(Sampler()(logits, temps, generators=gens)[1])
+        return int(Sampler.draw(logits, temps, generators=gens)[1])
 
     tokens = {run(seed) for seed in range(20)}
     assert len(tokens) == 1, (
         f"the seeded row drew {sorted(tokens)} over 20 batch seeds: its noise must come from its own "
         "generator alone, not from the default one the rest of the batch uses"
     )
-    unseeded = {int(Sampler()(logits, temps)[1]) for _ in range(20)}
+    unseeded = {int(Sampler.draw(logits, temps)[1]) for _ in range(20)}
     assert len(unseeded) > 1, f"20 draws from a flat row gave only {unseeded}: the row is not sampled"
 
 

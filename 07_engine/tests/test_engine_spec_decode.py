@@ -9,35 +9,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chunked_prefill import SchedulerInfo
 from test_engine_parity import BLOCK, GREEDY, assert_no_leak, hf_greedy, make_prompts
 from vllm_from_scratch import LLM, SamplingParams
-from vllm_from_scratch.config import EngineConfig
-from vllm_from_scratch.model_runner import ModelRunner
-from vllm_from_scratch.sampler import SamplingTensors
+from vllm_from_scratch.sampler import SamplingMetadata
+from vllm_from_scratch.spec_decoding import RejectionSampler
 
 
-def small_runner(model_dir: str) -> ModelRunner:
-    config = EngineConfig(
-        model_dir, device="cpu", kvcache_block_size=4, num_kvcache_blocks=8, dtype="float32", enforce_eager=True
-    )
-    return ModelRunner(config)
-
-
-def test_verify_drafts_keeps_the_agreeing_prefix_then_one_token(tiny_llama_dir):
-    """Greedy rows: a's first draft agrees with the target, its second does not; b has no drafts;
-    c is a prompt chunk that samples nothing."""
-    runner = small_runner(tiny_llama_dir)
-    info = SchedulerInfo()
-    info.add_row("a", [7, 11, 12], 5, [0, 1], samples=True, num_spec=2, is_decoding=True)
-    info.add_row("b", [9], 3, [2], samples=True, is_decoding=True)
-    info.add_row("c", [1, 2, 3], 0, [3], samples=False)
+def test_verify_drafts_keeps_the_agreeing_prefix_then_one_token():
+    """Greedy rows: a's first draft agrees with the target, its second does not; b has no drafts."""
     V = 512
     logits = torch.zeros(4, V)
     for row, token in enumerate([11, 40, 99, 5]):  # a: agrees with 11, says 40 instead of 12; b: 5
         logits[row, token] = 10.0
-    sampling = SamplingTensors(torch.zeros(4), None, None, None, ["a", "b"], [None, None])
-    assert runner.verify_drafts(logits, sampling, info) == {"a": [11, 40], "b": [5]}
+    metadata = SamplingMetadata(torch.zeros(4), None, None, None, ["a", "b"], [None, None])
+    sampler = RejectionSampler(torch.device("cpu"), V)
+    assert sampler.verify_drafts(logits, metadata, [[11, 12], []]) == {"a": [11, 40], "b": [5]}
+    assert sampler.sample(logits, metadata, [[11, 12], []]).sampled_token_ids == {"a": [11, 40], "b": [5]}
 
 
 def _spec_llm(model_dir, spec, **kw):
@@ -90,14 +77,14 @@ def test_sampled_spec_decoding_runs_and_frees_blocks(tiny_llama_dir):
     assert_no_leak(llm)
 
 
-def test_a_seeded_requests_rejection_noise_is_its_own_whatever_the_batch(tiny_llama_dir):
+def test_a_seeded_requests_rejection_noise_is_its_own_whatever_the_batch():
     """Its uniforms are sized by its own drafts, not the batch's padded K, so its generator
     advances alike in any batch: the next step's noise matches too."""
-    runner = small_runner(tiny_llama_dir)
+    sampler = RejectionSampler(torch.device("cpu"), 64)
     alone_gen, batched_gen = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     for _ in range(2):
-        alone = runner.rejection_noise([2], 2, 64, [alone_gen])
-        batched = runner.rejection_noise([4, 2, 0], 4, 64, [None, batched_gen, None])
+        alone = sampler.rejection_noise([2], 2, 64, [alone_gen])
+        batched = sampler.rejection_noise([4, 2, 0], 4, 64, [None, batched_gen, None])
         assert torch.equal(alone.uniform[0, :2], batched.uniform[1, :2])
         assert torch.equal(alone.exponential[0], batched.exponential[1])
 

@@ -64,7 +64,7 @@ def test_metrics_count_the_pool_only_where_there_is_one(tiny_llama_dir):
     forget_local_cache(llm)
     llm.generate([SHARED + [9]], GREEDY, use_tqdm=False)
     text = ServerMetrics("m", llm.llm_engine.get_stats).render().decode()
-    block_bytes = llm.llm_engine.kv_connector.worker.block_bytes
+    block_bytes = llm.llm_engine.executor.runner.kv_worker.block_bytes
     assert 'vllm:kv_pool_hits_total{model_name="m"} 40.0' in text
     assert f'vllm:kv_pool_loaded_bytes_total{{model_name="m"}} {5.0 * block_bytes}' in text
     assert 'vllm:kv_pool_load_failures_total{model_name="m"} 0.0' in text
@@ -80,7 +80,7 @@ def test_the_request_waits_for_remote_kvs_then_runs(tiny_llama_dir):
     llm.generate([SHARED + [7]], GREEDY, use_tqdm=False)
     forget_local_cache(llm)
     engine.add_request(SHARED + [9], GREEDY, request_id="r")
-    req = engine.requests["r"]
+    req = engine.scheduler.requests["r"]
     assert engine.step() == [] and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert req.block_table and req.num_computed_tokens == 0  # blocks held, K/V not there yet
     engine.step()  # the load lands, then the request computes its last token and samples
@@ -99,8 +99,8 @@ def test_a_bad_block_is_computed_never_used(tiny_llama_dir, fault):
     forget_local_cache(llm)
     engine.add_request(prompt, GREEDY, request_id="r")
     engine.step()  # admitted: waiting for its K/V, the pool promised 5 blocks
-    pool = engine.kv_connector.worker.pool
-    third = pool.block_key(engine.block_manager.block_hashes(engine.requests["r"])[2])
+    pool = engine.executor.runner.kv_worker.pool
+    third = pool.block_key(engine.block_manager.block_hashes(engine.scheduler.requests["r"])[2])
     if fault == "vanished":
         pool.backend.remove(third)  # evicted between the query and the load
     else:
@@ -111,7 +111,7 @@ def test_a_bad_block_is_computed_never_used(tiny_llama_dir, fault):
         while engine.has_unfinished_requests():
             outs += engine.step()
     assert any("recomputing" in str(w.message) for w in caught)
-    assert outs[-1].completion_token_ids == hf_greedy(tiny_llama_dir, tuple(prompt))
+    assert outs[-1].outputs[0].token_ids == hf_greedy(tiny_llama_dir, tuple(prompt))
     assert outs[-1].num_cached_tokens == 2 * BLOCK  # the two blocks before the bad one
     assert engine.get_stats()["kv_pool_load_failures"] == 1
     assert_no_leak(llm)
@@ -140,7 +140,7 @@ def test_an_aborted_request_waiting_for_its_kv_frees_its_blocks(tiny_llama_dir):
     engine.add_request(SHARED + [9], GREEDY, request_id="r")
     engine.step()
     assert engine.abort_request("r")
-    assert [o.finish_reason for o in engine.step()] == ["abort"]
+    assert [o.outputs[0].finish_reason for o in engine.step()] == ["abort"]
     assert engine.kv_connector.take_pending_loads() == []
     assert_no_leak(llm)
 
@@ -191,7 +191,7 @@ def test_each_tensor_parallel_rank_loads_its_own_shard(tiny_llama_dir):
 def test_the_proxy_asks_for_the_api_key_as_the_server_does():
     from fastapi.testclient import TestClient
 
-    from vllm_from_scratch.disagg_proxy import build_proxy
+    from vllm_from_scratch.tools.disagg_proxy import build_proxy
 
     # Nothing listens on these ports: a request the key lets through fails upstream, not with 401.
     app = build_proxy(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], api_key="sesame")

@@ -115,7 +115,9 @@ def test_disaggregated_prefill_and_decode_through_the_proxy(store):
     with (
         ServerProcess(base + [json.dumps(pool_config(store, "kv_producer"))]) as prefill,
         ServerProcess(base + [json.dumps(pool_config(store, "kv_consumer"))]) as decode,
-        ServerProcess(["vllm_from_scratch.disagg_proxy", "--prefill", prefill.url, "--decode", decode.url]) as proxy,
+        ServerProcess(
+            ["vllm_from_scratch.tools.disagg_proxy", "--prefill", prefill.url, "--decode", decode.url]
+        ) as proxy,
     ):
         direct = openai.OpenAI(base_url=prefill.url + "/v1", api_key="-", max_retries=0, timeout=120)
         via_proxy = openai.OpenAI(base_url=proxy.url + "/v1", api_key="-", max_retries=0, timeout=120)

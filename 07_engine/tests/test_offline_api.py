@@ -225,8 +225,8 @@ def test_greedy_tokens_are_the_engine_loops(llm):
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o["token_ids"] for o in outs] == [finished[i].completion_token_ids for i in ids]
-    assert [o.outputs[0].text for o in outs] == [finished[i].text for i in ids]
+    assert [o["token_ids"] for o in outs] == [finished[i].outputs[0].token_ids for i in ids]
+    assert [o.outputs[0].text for o in outs] == [finished[i].outputs[0].text for i in ids]
 
 
 def test_positional_model_and_get_tokenizer(llm):

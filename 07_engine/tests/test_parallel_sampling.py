@@ -16,8 +16,11 @@ from block_manager import cdiv
 from test_engine_parity import BLOCK, GREEDY, assert_no_leak, hf_greedy, make_prompts
 from vllm_from_scratch import LLM, SamplingParams
 from vllm_from_scratch.async_llm import AsyncLLM
-from vllm_from_scratch.engine import LLMEngine, RequestOutput
+from vllm_from_scratch.engine import LLMEngine
 from vllm_from_scratch.errors import ParameterError
+from vllm_from_scratch.outputs import CompletionOutput, RequestOutput
+from vllm_from_scratch.parallel_sampling import ParentRequest
+from vllm_from_scratch.sampling_params import RequestOutputKind
 
 PROMPT = make_prompts(31, (5 * BLOCK + 3,))[0]  # 5 full blocks and a partial one
 FULL = 5 * BLOCK
@@ -36,14 +39,33 @@ def run(engine: LLMEngine) -> list[RequestOutput]:
     return outs
 
 
-def test_child_params_derive_seed_and_score_the_prompt_once():
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    return ParentRequest("p", params).get_child_info(index)[1]
+
+
+def test_child_info_derives_seed_and_scores_the_prompt_once():
     params = SamplingParams(n=3, seed=10, prompt_logprobs=2, temperature=0.5)
-    children = [params.child_params(i) for i in range(3)]
-    assert [(c.n, c.seed, c.prompt_logprobs) for c in children] == [(1, 10, 2), (1, 11, None), (1, 12, None)]
-    assert all(c.temperature == 0.5 for c in children)
-    assert SamplingParams(n=2).child_params(1).seed is None
+    parent = ParentRequest("p", params)
+    children = [parent.get_child_info(i) for i in range(3)]
+    assert [rid for rid, _ in children] == ["0_p", "1_p", "2_p"] and parent.child_requests == {"0_p", "1_p", "2_p"}
+    assert [(c.n, c.seed, c.prompt_logprobs) for _, c in children] == [(1, 10, 2), (1, 11, None), (1, 12, None)]
+    assert all(c.temperature == 0.5 for _, c in children) and params.n == 3 and params.seed == 10
+    assert child_params(SamplingParams(n=2), 1).seed is None
     with pytest.raises(ParameterError, match="^index"):
-        params.child_params(3)
+        parent.get_child_info(3)
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_the_parent_reports_its_children_as_vllm_does(kind):
+    """As they come, or all n in index order once the last has ended (FINAL_ONLY)."""
+    parent = ParentRequest("p", SamplingParams(n=2, output_kind=kind))
+    ids = [parent.get_child_info(i)[0] for i in range(2)]
+    running, done = CompletionOutput(1, "a", [5]), CompletionOutput(1, "ab", [5, 6], finish_reason="length")
+    first = CompletionOutput(0, "x", [7], finish_reason="stop")
+    streamed = kind != RequestOutputKind.FINAL_ONLY
+    assert parent.get_outputs(ids[1], running) == ([running] if streamed else [], False)
+    assert parent.get_outputs(ids[1], done) == ([done] if streamed else [], False)
+    assert parent.get_outputs(ids[0], first) == ([first] if streamed else [first, done], True)
 
 
 @pytest.mark.parametrize("kw, name", [({"n": 0}, "n"), ({"n": 1.5}, "n"), ({"n": 2, "seed": 2**64 - 1}, "seed")])
@@ -56,13 +78,13 @@ def test_the_n_children_share_the_prompts_full_blocks(tiny_llama_dir):
     engine = tiny_llm(tiny_llama_dir).llm_engine
     bm = engine.block_manager
     engine.add_request(PROMPT, SAMPLED, request_id="p")
-    first = engine.requests["0_p"]
+    first = engine.scheduler.requests["0_p"]
     assert [r.request_id for r in engine.scheduler.waiting] == ["0_p"]  # 1_p..3_p are parked
     assert engine.get_stats()["num_requests_waiting"] == 4
     outs = engine.step()  # child 0 computes the prompt and samples its first token
-    assert [(o.request_id, o.index, o.num_cached_tokens) for o in outs] == [("p", 0, 0)]
+    assert [(o.request_id, o.outputs[0].index, o.num_cached_tokens) for o in outs] == [("p", 0, 0)]
     outs = engine.step()  # the other three join, each computing its last partial block only
-    children = [engine.requests[f"{i}_p"] for i in range(4)]
+    children = [engine.scheduler.requests[f"{i}_p"] for i in range(4)]
     shared = first.block_table[:5]
     # 03_prefix_cache/README.md draws these tables (a fresh pool hands out blocks 0, 1, 2, ...).
     assert [c.block_table for c in children] == [[0, 1, 2, 3, 4, own] for own in (5, 6, 7, 8)]
@@ -71,11 +93,12 @@ def test_the_n_children_share_the_prompts_full_blocks(tiny_llama_dir):
     own = {c.request_id: len(c.block_table) - 5 for c in children}
     assert own == {c.request_id: cdiv(c.num_tokens - 1, BLOCK) - 5 for c in children}
     assert len(bm.used_block_ids) == 5 + sum(own.values())
-    assert sorted((o.index, o.num_cached_tokens) for o in outs) == [(0, 0), (1, FULL), (2, FULL), (3, FULL)]
+    assert sorted((o.outputs[0].index, o.num_cached_tokens) for o in outs) == [(0, 0), (1, FULL), (2, FULL), (3, FULL)]
     outs += run(engine)
-    finished = sorted((o.index, o.request_id) for o in outs if o.finished)
+    finished = sorted((c.index, o.request_id) for o in outs for c in o.outputs if c.finished())
     assert finished == [(0, "p"), (1, "p"), (2, "p"), (3, "p")]
-    assert engine.parents == {} and engine.requests == {}
+    assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished, "the parent ends once"
+    assert engine.output_processor.parent_requests == {} and engine.output_processor.request_states == {}
     bm.check_invariants()
     assert bm.all_blocks_free()
 
@@ -99,7 +122,7 @@ def test_each_seeded_completion_is_the_n1_request_with_its_derived_seed(tiny_lla
     assert len({tuple(s) for s in samples}) > 1, "seeds 7..10 should not all sample alike"
     again = llm.generate([PROMPT], SAMPLED, use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == samples
-    singles = llm.generate([PROMPT] * 4, [SAMPLED.child_params(i) for i in range(4)], use_tqdm=False)
+    singles = llm.generate([PROMPT] * 4, [child_params(SAMPLED, i) for i in range(4)], use_tqdm=False)
     assert [s["token_ids"] for s in singles] == samples
     assert out["text"] == out.outputs[0].text and out["token_ids"] == samples[0]
     assert out.num_cached_tokens == 0  # completion 0's: it computed the prompt
@@ -134,17 +157,18 @@ def test_aborting_the_parent_with_parked_children_frees_every_block(tiny_llama_d
     engine.add_request(PROMPT, SAMPLED, request_id="p")
     assert engine.abort_request("p")
     outs = engine.step()
-    assert sorted((o.request_id, o.index, o.finish_reason) for o in outs) == [("p", i, "abort") for i in range(4)]
-    assert not engine.has_unfinished_requests() and engine.parents == {}
+    ends = sorted((o.request_id, c.index, c.finish_reason) for o in outs for c in o.outputs)
+    assert ends == [("p", i, "abort") for i in range(4)]
+    assert not engine.has_unfinished_requests() and engine.output_processor.parent_requests == {}
     engine.block_manager.check_invariants()
     assert engine.block_manager.get_num_free_blocks() == engine.block_manager.num_blocks
     # Aborted while the children ran and held the shared blocks.
     engine.add_request(PROMPT, SAMPLED, request_id="q")
     engine.step(), engine.step()
-    assert engine.block_manager.blocks[engine.requests["1_q"].block_table[0]].ref_count == 4
+    assert engine.block_manager.blocks[engine.scheduler.requests["1_q"].block_table[0]].ref_count == 4
     assert engine.abort_request("q")
     assert not engine.abort_request("q")  # nothing left to stop
-    assert sum(o.finish_reason == "abort" for o in engine.step()) == 4
+    assert sum(o.outputs[0].finish_reason == "abort" for o in engine.step()) == 4
     engine.block_manager.check_invariants()
     assert engine.block_manager.get_num_free_blocks() == engine.block_manager.num_blocks
 
@@ -154,10 +178,10 @@ def test_a_parents_id_and_its_childrens_are_taken_while_it_runs(tiny_llama_dir):
     engine.add_request([5, 6, 7], SamplingParams(n=2), request_id="p")
     for rid in ("p", "1_p"):
         with pytest.raises(ParameterError, match=f"^request_id '{rid}' is already in use"):
-            engine.make_request([5], SamplingParams(), request_id=rid)
+            engine.add_request([5], SamplingParams(), request_id=rid)
     engine.add_request([5], SamplingParams(), request_id="0_x")
     with pytest.raises(ParameterError, match="^request_id '0_x' is already in use .its completions run as"):
-        engine.make_request([5], SamplingParams(n=2), request_id="x")
+        engine.add_request([5], SamplingParams(n=2), request_id="x")
 
 
 @pytest.mark.parametrize(
@@ -213,8 +237,9 @@ def test_async_stream_ends_after_the_last_completion(tiny_llama_dir):
         outs = asyncio.run(asyncio.wait_for(collect(), timeout=120))
     finally:
         async_llm.shutdown()
-    assert {o.request_id for o in outs} == {"r"}
-    assert sorted(o.index for o in outs if o.finished) == [0, 1, 2]
-    assert outs[-1].finished
-    tokens = {i: sum((o.new_token_ids for o in outs if o.index == i), []) for i in range(3)}
-    assert all(len(t) == 5 for t in tokens.values())
+    assert {o.request_id for o in outs} == {"r"} and all(len(o.outputs) == 1 for o in outs)
+    completions = [o.outputs[0] for o in outs]
+    assert sorted(c.index for c in completions if c.finished()) == [0, 1, 2]
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    tokens = {i: [c.token_ids for c in completions if c.index == i] for i in range(3)}
+    assert all([len(ids) for ids in t] == [1, 2, 3, 4, 5] for t in tokens.values()), "records hold all so far"

@@ -59,7 +59,7 @@ def test_every_row_gets_an_id_its_rule_allows_or_no_token(batch):
     rows, temperatures, top_ks, top_ps, seeds = batch
     logits = torch.tensor(rows, dtype=torch.float32)
     gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
-    sampled = Sampler()(
+    sampled = Sampler.draw(
         logits,
         torch.tensor(temperatures),
         None if top_ks is None else torch.tensor(top_ks),
@@ -84,7 +84,7 @@ def test_a_row_of_infinite_logits_is_uniform_over_them():
     # The limit of logits growing without bound: each +inf token as likely as the others.
     row = [float("inf"), 1.0, float("inf"), float("-inf"), float("inf")] + [0.0] * (V - 5)
     logits = torch.tensor([row] * 30_000)
-    counts = torch.bincount(Sampler()(logits, torch.ones(30_000)), minlength=V)
+    counts = torch.bincount(Sampler.draw(logits, torch.ones(30_000)), minlength=V)
     assert set(counts.nonzero().flatten().tolist()) == {0, 2, 4}
     # 4 standard deviations of a binomial proportion of 1/3 over 30k draws: 0.011.
     assert (counts[[0, 2, 4]].float() / 30_000 - 1 / 3).abs().max() < 0.011, counts.tolist()

@@ -11,14 +11,14 @@ import torch
 
 from vllm_from_scratch import LLM, SamplingParams
 from vllm_from_scratch.errors import ParameterError
-from vllm_from_scratch.sampler import SamplingTensors, apply_logits_processors
+from vllm_from_scratch.sampler import SamplingMetadata, apply_logits_processors
 
 V = 40
 EOS = 2
 
 
 def _request(params: SamplingParams, prompt: list[int], output: list[int], rid: str = "r") -> SimpleNamespace:
-    """What ``SamplingTensors.from_requests`` reads of an engine request."""
+    """What ``SamplingMetadata.from_requests`` reads of an engine request."""
     stops = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else {EOS})
     return SimpleNamespace(
         request_id=rid,
@@ -88,7 +88,7 @@ def test_each_field_matches_a_per_row_reference_in_one_batch():
         output = torch.randint(0, V, (3 + i % 4,), generator=gen).tolist()
         requests.append(_request(params, prompt, output, name))
         expected.append(_reference(logits[i].tolist(), params, prompt, output))
-    sampling = SamplingTensors.from_requests(requests, [1] * len(rows), V, "cpu")
+    sampling = SamplingMetadata.from_requests(requests, [1] * len(rows), V, "cpu")
     before = logits.clone()
     got = apply_logits_processors(logits, sampling)
     assert torch.equal(logits, before), "the processors must not change the model's logits in place"
@@ -99,7 +99,7 @@ def test_each_field_matches_a_per_row_reference_in_one_batch():
 def test_no_field_in_use_means_no_work():
     logits = torch.randn(3, V)
     requests = [_request(SamplingParams(temperature=t), [1], []) for t in (0.0, 0.5, 1.0)]
-    sampling = SamplingTensors.from_requests(requests, [1, 1, 1], V, "cpu")
+    sampling = SamplingMetadata.from_requests(requests, [1, 1, 1], V, "cpu")
     assert not sampling.has_processors
     assert apply_logits_processors(logits, sampling) is logits
 
@@ -107,7 +107,7 @@ def test_no_field_in_use_means_no_work():
 def test_min_p_never_drops_the_most_likely_token():
     logits = torch.randn(4, V)
     requests = [_request(SamplingParams(min_p=1.0, temperature=t), [1], []) for t in (0.0, 0.3, 1.0, 2.0)]
-    got = apply_logits_processors(logits, SamplingTensors.from_requests(requests, [1] * 4, V, "cpu"))
+    got = apply_logits_processors(logits, SamplingMetadata.from_requests(requests, [1] * 4, V, "cpu"))
     assert torch.equal(got.argmax(-1), logits.argmax(-1))
     assert bool((got[1:] > float("-inf")).sum(-1).eq(1).all()), "min_p=1 keeps only the argmax when sampling"
 

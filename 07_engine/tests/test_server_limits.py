@@ -147,7 +147,7 @@ def test_a_streamed_request_the_engine_ends_with_an_error_gets_an_error_event(cl
 
 
 def test_a_bug_is_a_json_500(tokenizer, monkeypatch):
-    def broken(self, body):
+    def broken(self, body, request_id):
         raise KeyError("a bug")
 
     monkeypatch.setattr(OpenAIServing, "prepare", broken)

@@ -51,12 +51,10 @@ class LogprobEngine(ScriptedEngine):
     def __init__(self, tokenizer):
         super().__init__(tokenizer)
         self.prompts: dict[str, list[int]] = {}
-        self.sampled: dict[str, list[dict[int, Logprob]]] = {}
 
-    def add_request(self, prompt, params, request_id=None, priority=0, fit_max_tokens=True):
+    def add_request(self, prompt, params=None, request_id=None, priority=0, fit_max_tokens=True):
         rid = super().add_request(prompt, params, request_id, priority, fit_max_tokens)
         self.prompts[rid] = self.requests[rid]["prompt"]
-        self.sampled[rid] = []
         return rid
 
     def step(self):
@@ -64,11 +62,11 @@ class LogprobEngine(ScriptedEngine):
         decode = self.decode
         for out in outputs:
             params, prompt = self.params[out.request_id], self.prompts[out.request_id]
-            if HELD_TOKEN in out.new_token_ids:
-                out.new_text = ""
+            (completion,) = out.outputs  # a delta: the server asks for them
+            if HELD_TOKEN in completion.token_ids:
+                completion.text = ""
             if params.logprobs is not None:
-                self.sampled[out.request_id] += [made_up_entry(t, params.logprobs, decode) for t in out.new_token_ids]
-                out.logprobs = list(self.sampled[out.request_id])
+                completion.logprobs = [made_up_entry(t, params.logprobs, decode) for t in completion.token_ids]
             if params.prompt_logprobs is not None:
                 out.prompt_logprobs = [None, *(made_up_entry(t, params.prompt_logprobs, decode) for t in prompt[1:])]
         return outputs

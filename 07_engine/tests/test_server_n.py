@@ -146,7 +146,7 @@ class ChildZeroScoresEngine(ScriptedEngine):
         super().__init__(tokenizer)
         self.prompts: dict[str, list[int]] = {}
 
-    def add_request(self, prompt, params, request_id=None, priority=0, fit_max_tokens=True):
+    def add_request(self, prompt, params=None, request_id=None, priority=0, fit_max_tokens=True):
         rid = super().add_request(prompt, params, request_id, priority, fit_max_tokens)
         self.prompts[rid] = self.requests[rid]["prompt"]
         return rid
@@ -155,14 +155,15 @@ class ChildZeroScoresEngine(ScriptedEngine):
         outputs = super().step()
         for out in outputs:
             params, prompt = self.params[out.request_id], self.prompts[out.request_id]
+            (completion,) = out.outputs
             if params.logprobs is not None:
-                out.logprobs = [made_up_entry(t, params.logprobs, self.decode) for t in out.completion_token_ids]
-            if params.prompt_logprobs is not None and out.index == 0:
+                completion.logprobs = [made_up_entry(t, params.logprobs, self.decode) for t in completion.token_ids]
+            if params.prompt_logprobs is not None and completion.index == 0:
                 out.prompt_logprobs = [
                     None,
                     *(made_up_entry(t, params.prompt_logprobs, self.decode) for t in prompt[1:]),
                 ]
-        return sorted(outputs, key=lambda out: -out.index)
+        return self.mark_finished(sorted(outputs, key=lambda out: -out.outputs[0].index))
 
     def decode(self, token: int) -> str:
         return self.tokenizer.decode([token])

@@ -24,9 +24,10 @@ from vllm_from_scratch import serve
 from vllm_from_scratch.api_server import build_app, default_max_request_bytes
 from vllm_from_scratch.async_llm import AsyncLLM, build_engine
 from vllm_from_scratch.default_model import default_model_dir
-from vllm_from_scratch.engine import RequestOutput, encode_prompt, resolve_max_tokens
+from vllm_from_scratch.input_processor import EngineCoreRequest, InputProcessor
 from vllm_from_scratch.openai_protocol import APIError, CompletionRequest
-from vllm_from_scratch.sampling_params import check_int
+from vllm_from_scratch.outputs import CompletionOutput, RequestOutput
+from vllm_from_scratch.sampling_params import RequestOutputKind
 from vllm_from_scratch.streaming import stream_events
 
 MODEL = "scripted"
@@ -38,16 +39,26 @@ JSON = {"content-type": "application/json"}
 
 class ScriptedEngine:
     """Echoes each prompt's token ids back, one per step, until ``max_tokens``. With ``n`` > 1,
-    completion ``k`` starts ``k`` tokens into the prompt, and its outputs carry ``index=k``
-    under the request's id, as ``LLMEngine`` reports a parent's children."""
+    completion ``k`` starts ``k`` tokens into the prompt, and its outputs carry its ``index``
+    under the request's id, as ``LLMEngine`` reports a parent's children. Records follow the
+    request's ``output_kind`` (the server asks for deltas)."""
 
     max_model_len = 64
     vocab_size = 49152
-    config = SimpleNamespace(vocab_size=vocab_size, scheduling_policy="priority")
+    config = SimpleNamespace(
+        vocab_size=vocab_size,
+        max_model_len=max_model_len,
+        max_n_sequences=256,
+        speculative=None,
+        kv_transfer=None,
+        scheduling_policy="priority",
+    )
     tracer = None  # as an engine without step_trace: /viz adds its own tracer
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        # The engine's own checks, so the server's error mapping is tested against the real rules.
+        self.input_processor = InputProcessor(self.config, tokenizer, [])
         self.requests = {}
         self.aborted = []
         self.priorities = {}
@@ -61,17 +72,18 @@ class ScriptedEngine:
         )
         self.step_delay = 0.0
 
-    def add_request(self, prompt, params, request_id=None, priority=0, fit_max_tokens=True):
-        # The engine's own checks, so the server's error mapping is tested against the real rules.
-        check_int("priority", priority, -(2**63))
-        prompt = encode_prompt(None, prompt, self.vocab_size, self.max_model_len)
-        max_tokens = resolve_max_tokens(params.max_tokens, len(prompt), self.max_model_len, fit_max_tokens)
+    def add_request(self, prompt, params=None, request_id=None, priority=0, fit_max_tokens=True):
+        request = prompt
+        if not isinstance(request, EngineCoreRequest):
+            request = self.input_processor.process_inputs(request_id, prompt, params, priority, fit_max_tokens)
+        rid, params = request.request_id, request.sampling_params
+        prompt = request.prompt_token_ids
         outs = [[] for _ in range(params.n)]
-        self.requests[request_id] = dict(prompt=prompt, params=params, max_tokens=max_tokens, outs=outs)
-        self.priorities[request_id] = priority
-        self.params[request_id] = params
+        self.requests[rid] = dict(prompt=prompt, params=params, max_tokens=request.max_tokens, outs=outs)
+        self.priorities[rid] = request.priority
+        self.params[rid] = params
         self.stats["prompt_tokens_total"] += len(prompt)
-        return request_id
+        return rid
 
     def abort_request(self, request_id):
         self.aborted.append(request_id)
@@ -79,6 +91,9 @@ class ScriptedEngine:
 
     def has_unfinished_requests(self):
         return bool(self.requests)
+
+    def has_started(self, request_id):
+        return request_id in self.requests
 
     def step(self):
         time.sleep(self.step_delay)
@@ -91,6 +106,13 @@ class ScriptedEngine:
                     outputs.append(self._next_output(rid, r, k, out))
             if all(len(out) >= r["max_tokens"] for out in r["outs"]):
                 del self.requests[rid]
+        return self.mark_finished(outputs)
+
+    def mark_finished(self, outputs):
+        """A request's ``finished`` on its last record, once every completion has ended."""
+        last = {out.request_id: out for out in outputs}
+        for out in outputs:
+            out.finished = out is last[out.request_id] and out.request_id not in self.requests
         return outputs
 
     def _next_output(self, rid, r, k, out):
@@ -99,13 +121,19 @@ class ScriptedEngine:
         self.stats["generation_tokens_total"] += 1
         if ERROR_TOKEN in r["prompt"] and len(out) == 2:  # as LLMEngine ends a request it cannot go on with
             r["outs"][k] = [tok] * r["max_tokens"]
-            return RequestOutput(rid, [], out[:1], "", "", True, "error", len(r["prompt"]), 0, index=k, error="why")
+            return self._record(rid, r, CompletionOutput(k, "", [], finish_reason="error", error="why"))
         done = len(out) >= r["max_tokens"]
-        text = "".join(self.tokenizer.decode([t]) for t in out)
         reason = "length" if done else None
-        return RequestOutput(
-            rid, [tok], list(out), self.tokenizer.decode([tok]), text, done, reason, len(r["prompt"]), 0, index=k
-        )
+        if r["params"].output_kind == RequestOutputKind.DELTA:
+            completion = CompletionOutput(k, self.tokenizer.decode([tok]), [tok], finish_reason=reason)
+        else:
+            text = "".join(self.tokenizer.decode([t]) for t in out)
+            completion = CompletionOutput(k, text, list(out), finish_reason=reason)
+        return self._record(rid, r, completion)
+
+    @staticmethod
+    def _record(rid, r, completion):
+        return RequestOutput(rid, None, r["prompt"], outputs=[completion], num_cached_tokens=0)
 
     def get_stats(self):
         return dict(
@@ -354,7 +382,7 @@ def test_cancelled_stream_aborts_its_engine_request(engine):
             received = []
 
             async def consume():
-                async for event in stream_events([stream], lambda i, out: out.new_text):
+                async for event in stream_events([stream], lambda i, out: out.outputs[0].text):
                     received.append(event)
 
             task = asyncio.ensure_future(consume())
@@ -385,11 +413,11 @@ def test_engine_value_error_reaches_the_caller_and_loop_lives(engine):
             with pytest.raises(ValueError, match="prompt"):
                 await llm.add_request("bad", [], _params(max_tokens=2))
             stream = await llm.add_request("good", [10], _params(max_tokens=2))
-            return [out.new_token_ids async for out in stream]
+            return [out.outputs[0].token_ids async for out in stream]
         finally:
             llm.shutdown()
 
-    assert asyncio.run(scenario()) == [[10], [10]]
+    assert asyncio.run(scenario()) == [[10], [10, 10]], "the default output kind: everything so far"
 
 
 def test_build_engine_builds_in_a_thread_that_has_ended():

@@ -18,8 +18,8 @@ import pytest
 from viz_testing import TEACHING_ARRIVALS, teaching_trace
 from vllm_from_scratch import LLM, LLMEngine, SamplingParams
 from vllm_from_scratch.step_trace import SCHEMA, TraceError, check_trace, read_trace, work_kind
-from vllm_from_scratch.viz import chrome_trace
-from vllm_from_scratch.viz import main as viz_main
+from vllm_from_scratch.tools.viz import chrome_trace
+from vllm_from_scratch.tools.viz import main as viz_main
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -269,7 +269,7 @@ def assert_trace_event_format(trace: dict) -> None:
 
 
 def test_embedded_data_cannot_close_the_script_element():
-    from vllm_from_scratch.viz import render_page
+    from vllm_from_scratch.tools.viz import render_page
 
     page = render_page({"mode": "file"}, [{"text": "</script><script>alert(1)</script>"}])
     assert "alert(1)</script>" not in page and "\\u003c/script>" in page
@@ -365,7 +365,7 @@ def test_each_chapter_demo_traces_its_idea_in_the_real_engine(chapter, tmp_path)
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "invariants hold" in out.stdout and f"python -m vllm_from_scratch.viz {path}" in out.stdout
+    assert "invariants hold" in out.stdout and f"python -m vllm_from_scratch.tools.viz {path}" in out.stdout
     assert check_trace(path).ended and read_trace(path)[0]["model"] == "SmolLM2-135M-Instruct"
     DEMOS[chapter]([r for r in records(path) if r["type"] == "step"])
 

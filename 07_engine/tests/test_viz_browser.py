@@ -20,7 +20,7 @@ import pytest
 
 from viz_testing import browser_path, teaching_trace
 from vllm_from_scratch.step_trace import read_trace
-from vllm_from_scratch.viz import render_page, write_page
+from vllm_from_scratch.tools.viz import render_page, write_page
 
 # Everything the page shows about frame i, read from the DOM (one call for all frames).
 READ_FRAMES = """() => {

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_from_scratch.viz import Arrival, trace_scenario
+from vllm_from_scratch.tools.viz import Arrival, trace_scenario
 
 TEACHING_ARRIVALS = [
     Arrival("Write a short poem about the sea.", 40),

@@ -50,7 +50,7 @@ from vllm_from_scratch.openai_protocol import (
 )
 from vllm_from_scratch.serving import OpenAIServing
 from vllm_from_scratch.streaming import ClientGone
-from vllm_from_scratch.viz_server import add_viz_routes
+from vllm_from_scratch.tools.viz_server import add_viz_routes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -114,9 +114,7 @@ def build_app(
     serving = OpenAIServing(
         llm,
         served_model_name,
-        tokenizer or engine.tokenizer,
-        engine.max_model_len,
-        engine.config.vocab_size,
+        engine.input_processor.with_tokenizer(tokenizer or engine.tokenizer),
         default_sampling_params,
         getattr(engine.config, "scheduling_policy", "fcfs"),
         limits,

@@ -19,9 +19,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from vllm_from_scratch.input_processor import EngineCoreRequest
+from vllm_from_scratch.sampling_params import RequestOutputKind
+
 if TYPE_CHECKING:
-    from vllm_from_scratch.engine import LLMEngine, RequestOutput
+    from vllm_from_scratch.engine import LLMEngine
     from vllm_from_scratch.metrics import ServerMetrics
+    from vllm_from_scratch.outputs import CompletionOutput, RequestOutput
     from vllm_from_scratch.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -80,16 +84,30 @@ class _Stream:
     scheduled: float | None = None
     first_token_time: float | None = None
     max_tokens: int | None = None
-    # SamplingParams.n: the request ends with its n-th finished output (one per completion).
+    # SamplingParams.n and output_kind, once the request is processed; what each completion has
+    # generated so far, and how many have finished.
     n: int = 1
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    num_tokens: dict[int, int] = field(default_factory=dict)
     num_finished: int = 0
+
+    def count_tokens(self, completion: CompletionOutput) -> int:
+        """Fold ``completion`` in; the tokens it brings that the stream had not seen."""
+        seen = self.num_tokens.get(completion.index, 0)
+        now = (
+            seen + len(completion.token_ids)
+            if self.output_kind == RequestOutputKind.DELTA
+            else len(completion.token_ids)
+        )
+        self.num_tokens[completion.index] = now
+        return now - seen
 
 
 @dataclass
 class _Add:
     request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
+    prompt: str | list[int] | EngineCoreRequest
+    params: SamplingParams | None
     priority: int
     stream: _Stream
     accepted: asyncio.Future = field(repr=False)
@@ -106,15 +124,15 @@ _SHUTDOWN = object()
 class RequestStream:
     """The outputs of one request, as an async iterator; ``abort()`` cancels it in the engine.
 
-    With ``n`` > 1 the outputs of its completions come interleaved (``index`` tells them apart),
-    and the stream ends after the last of their ``n`` finished outputs.
+    With ``n`` > 1 the outputs of its completions come interleaved (each ``RequestOutput``'s
+    completion ``index`` tells them apart), and the stream ends with the output that finishes
+    the request (``RequestOutput.finished``: its last completion has ended).
     """
 
     def __init__(self, owner: AsyncLLM, request_id: str, stream: _Stream):
         self.owner = owner
         self.request_id = request_id
         self._stream = stream
-        self._num_finished = 0  # the engine thread counts its own in stream.num_finished
         self.finished = False
 
     async def __aiter__(self) -> AsyncIterator[Any]:
@@ -123,8 +141,7 @@ class RequestStream:
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
-            self._num_finished += item.finished
-            self.finished = self._num_finished == self._stream.n
+            self.finished = item.finished
             yield item
 
     def abort(self) -> None:
@@ -170,14 +187,24 @@ class AsyncLLM:
         return self._thread.is_alive() and self.error is None
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: str | list[int] | EngineCoreRequest,
+        params: SamplingParams | None = None,
+        priority: int = 0,
     ) -> RequestStream:
-        """Queue a request; returns once the engine accepted it (its ``ValueError`` if not)."""
+        """Queue a request; returns once the engine accepted it (its ``ValueError`` if not).
+
+        ``prompt`` is an :class:`EngineCoreRequest` the caller's input processor made (the
+        server's, in its worker threads; ``request_id``, ``params`` and ``priority`` are then
+        its own), or text or token ids with ``params`` and ``priority``, which the engine's input
+        processor checks on the engine thread, refusing a ``max_tokens`` that cannot fit (the
+        OpenAI API's rule) where offline use cuts it.
+        """
         if not self.is_running:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
-        n = getattr(params, "n", 1)  # a bad value is the engine's error, and then no stream is read
-        stream = _Stream(loop=loop, queue=asyncio.Queue(), arrival=time.perf_counter(), n=n)
+        stream = _Stream(loop=loop, queue=asyncio.Queue(), arrival=time.perf_counter())
         accepted = loop.create_future()
         self._commands.put(_Add(request_id, prompt, params, priority, stream, accepted))
         try:
@@ -253,23 +280,22 @@ class AsyncLLM:
 
     def _add(self, command: _Add) -> None:
         try:
-            # The OpenAI API refuses a max_tokens that cannot fit, where offline use cuts it.
-            self.engine.add_request(
-                command.prompt,
-                command.params,
-                request_id=command.request_id,
-                priority=command.priority,
-                fit_max_tokens=False,
-            )
+            request = command.prompt
+            if not isinstance(request, EngineCoreRequest):
+                processor = self.engine.input_processor
+                request = processor.process_inputs(
+                    command.request_id, request, command.params, command.priority, fit_max_tokens=False
+                )
+            self.engine.add_request(request)
         except Exception as exc:  # noqa: BLE001 - handed to the caller, the loop lives on
             _resolve(command.stream.loop, command.accepted, exc)
             return
-        self._streams[command.request_id] = command.stream
-        self._unscheduled.add(command.request_id)
-        # The max_tokens the engine resolved (None in the body: what the context leaves).
-        resolved = getattr(self._engine_request(command.request_id), "max_tokens", None)
-        command.stream.max_tokens = resolved if isinstance(resolved, int) else command.params.max_tokens
-        _resolve(command.stream.loop, command.accepted, None)
+        stream = command.stream
+        self._streams[request.request_id] = stream
+        self._unscheduled.add(request.request_id)
+        params = request.sampling_params
+        stream.n, stream.output_kind, stream.max_tokens = params.n, params.output_kind, request.max_tokens
+        _resolve(stream.loop, command.accepted, None)
 
     def _abort(self, request_id: str) -> None:
         self._unscheduled.discard(request_id)
@@ -288,8 +314,7 @@ class AsyncLLM:
         for request_id in list(self._unscheduled):
             # Scheduled in this step if it produced an output or the engine computed some of its
             # prompt (a chunked prefill's first chunk produces no output).
-            req = self._engine_request(request_id)
-            if request_id in produced or getattr(req, "num_computed_tokens", 0) > 0:
+            if request_id in produced or self.engine.has_started(request_id):
                 self._unscheduled.discard(request_id)
                 if (stream := self._streams.get(request_id)) is not None:
                     stream.scheduled = step_start
@@ -298,36 +323,28 @@ class AsyncLLM:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted by its client while the step ran
-            if out.new_token_ids and out.request_id not in stepped:
-                stepped.add(out.request_id)
-                self._observe_token_step(stream, now)
+            for completion in out.outputs:
+                if stream.count_tokens(completion) and out.request_id not in stepped:
+                    stepped.add(out.request_id)
+                    self._observe_token_step(stream, now)
+                if completion.finished():
+                    stream.num_finished += 1
+                    if self.metrics is not None:
+                        self.metrics.e2e_request_latency.observe(now - stream.arrival)
+                        self.metrics.request_finished(completion.finish_reason or "stop")
+                        if completion.finish_reason not in ("abort", "error"):
+                            self._observe_finished(stream, out, completion)
             if out.finished:
-                stream.num_finished += 1
-                if stream.num_finished == stream.n:
-                    del self._streams[out.request_id]
-                    self._unscheduled.discard(out.request_id)
-                if self.metrics is not None:
-                    self.metrics.e2e_request_latency.observe(now - stream.arrival)
-                    self.metrics.request_finished(out.finish_reason or "stop")
-                    if out.finish_reason not in ("abort", "error"):
-                        self._observe_finished(stream, out)
+                del self._streams[out.request_id]
+                self._unscheduled.discard(out.request_id)
             _push(stream, out)
 
-    def _engine_request(self, request_id: str) -> Any:
-        """The engine's live request ``request_id``, read for timings only (None if the engine
-        keeps none). With ``n`` > 1 it is the parent's completion 0: the engine lists only the
-        children, and completion 0 is queued first and computes the prompt."""
-        parent = (getattr(self.engine, "parents", None) or {}).get(request_id)
-        if parent is not None:
-            return parent.children[0]
-        return (getattr(self.engine, "requests", None) or {}).get(request_id)
-
-    def _observe_finished(self, stream: _Stream, out: RequestOutput) -> None:
-        """vLLM's per-request histograms, observed when the request finishes (as vLLM does)."""
+    def _observe_finished(self, stream: _Stream, out: RequestOutput, completion: CompletionOutput) -> None:
+        """vLLM's per-request histograms, observed when a completion finishes (as vLLM does)."""
         assert self.metrics is not None
         m = self.metrics
-        m.request_prompt_tokens.observe(out.num_prompt_tokens)
-        m.request_generation_tokens.observe(len(out.completion_token_ids))
+        m.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        m.request_generation_tokens.observe(stream.num_tokens.get(completion.index, 0))
         if stream.max_tokens is not None:
             m.request_params_max_tokens.observe(stream.max_tokens)
         if stream.scheduled is None:

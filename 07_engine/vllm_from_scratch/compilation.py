@@ -21,7 +21,7 @@ change to the model's code:
   ``~/.cache``) in a directory named by everything the compiled code depends on
   (:func:`compile_key`); a later process loads it in a fraction of a second.
 
-``python -m vllm_from_scratch.compilation`` compiles the default model's graphs at the engine's
+``python -m vllm_from_scratch.precompile`` compiles the default model's graphs at the engine's
 defaults (``setup.sh`` runs it, so that no first start waits); ``EngineConfig.enforce_eager``
 turns all of this off.
 
@@ -32,7 +32,6 @@ for the whole model at every start. Measured figures: 07_engine/topics/performan
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -47,9 +46,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+import attention_backends
+from attention_backends import AttentionMetadata
 from chunked_prefill import SchedulerInfo, build_batch_inputs
 from paged_attention_cpu import _cpu_fingerprint, cpu_kernel_available
-from vllm_from_scratch.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from torch._inductor.package.package import AOTICompiledModel
@@ -68,9 +68,11 @@ GRAPHS: dict[str, dict[str, object]] = {
     "logits": {"max_autotune": True, "max_autotune_gemm_backends": "CPP"},
 }
 STAMP = "key.txt"
-# The code a graph is traced from: the models, their layers and this module.
+# The code a graph is traced from: the models, their layers, this module, and chapter 02's
+# AttentionMetadata, whose field order the graph's inputs follow.
 _SOURCES = [
     Path(__file__),
+    Path(str(attention_backends.__file__)),
     *sorted(Path(__file__).parent.glob("models/*.py")),
     *sorted(Path(__file__).parent.glob("layers/*.py")),
 ]
@@ -126,8 +128,8 @@ class _ForwardWithCache(nn.Module):
         block_tables: torch.Tensor,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        # The integers are never read when compiling: unified_attention takes the batch's shape.
-        md = AttentionMetadata(slot_mapping, cu_seqlens_q, seq_lens_k, block_tables, 0, 0, False, kv_cache)
+        # max_seqlen_q is never read when compiling: unified_attention takes the batch's shape.
+        md = AttentionMetadata(slot_mapping, cu_seqlens_q, seq_lens_k, block_tables, max_seqlen_q=0, kv_cache=kv_cache)
         return self.model(input_ids, positions, md)
 
 
@@ -154,10 +156,7 @@ def _example_inputs(num_tokens: int, kv_cache: torch.Tensor, block_size: int) ->
     return (
         batch.input_ids,
         batch.positions,
-        batch.slot_mapping,
-        batch.cu_seqlens_q,
-        batch.seq_lens_k,
-        batch.block_tables,
+        *batch.attn_metadata.tensors(),
         cache,
     )
 
@@ -252,7 +251,7 @@ class CompiledForward:
         """Hidden states of every token, as ``model(input_ids, positions, md)`` returns them; the
         batch's K/V is written to ``kv_cache``."""
         graph = self.graphs["small" if input_ids.shape[0] <= SMALL_BATCH_TOKENS else "large"]
-        return graph(input_ids, positions, md.slot_mapping, md.cu_seqlens_q, md.seq_lens_k, md.block_tables, kv_cache)
+        return graph(input_ids, positions, *md.tensors(), kv_cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The LM head's logits of ``hidden``'s rows through the compiled graph, for 1 to
@@ -261,28 +260,3 @@ class CompiledForward:
         if not 1 <= hidden.shape[0] <= SMALL_BATCH_TOKENS:
             return None
         return self.graphs["logits"](hidden)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Compile a model's forward at the engine's defaults, or find it already cached."""
-    parser = argparse.ArgumentParser(
-        description="Compile a model's forward into the cache at the engine's defaults (a later start loads it)."
-    )
-    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2)")
-    parser.add_argument("--dtype", default="auto", help="as EngineConfig.dtype (default: %(default)s)")
-    args = parser.parse_args(argv)
-    from vllm_from_scratch.default_model import default_model_dir
-    from vllm_from_scratch.engine import LLMEngine
-
-    start = time.perf_counter()
-    # The graphs do not depend on the cache's size: a few blocks suffice to build them.
-    engine = LLMEngine(
-        args.model or default_model_dir(), device="cpu", dtype=args.dtype, num_kvcache_blocks=16, warm_up=False
-    )
-    if engine.executor.runner.compiled_forward is None:
-        raise SystemExit("the forward could not be compiled here; the engine will run it eagerly")
-    print(f"compiled forward ready in {cache_root()} ({time.perf_counter() - start:.0f} s)")
-
-
-if __name__ == "__main__":
-    main()

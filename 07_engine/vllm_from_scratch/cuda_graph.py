@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from attention_backends import AttentionMetadata
 from block_manager import cdiv
-from vllm_from_scratch.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -101,7 +101,6 @@ class CUDAGraphRunner:
             block_tables=self.block_tables[:bs],
             max_seqlen_q=1,
             max_seqlen_k=self.max_model_len,
-            is_decode=True,
         )
 
     def _forward_into_buffers(self, bs: int) -> None:

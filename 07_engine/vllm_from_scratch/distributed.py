@@ -15,9 +15,9 @@ samples. The engine reaches the ranks through ``executor.call(method, *args)``, 
      │    ├─ broadcast (method, args, kwargs) ───────►  worker loop: receive, then
      │    └─ ModelRunner.execute_model(...)              ModelRunner.execute_model(...)
      │         forward on shard 0 ◄──── all-reduce ───►    forward on shard r
-     │         logits ◄───────────────── gather ───────    (no logits: returns {})
-     │         sample, or verify the drafts
-     └─ scheduler.update_from_output(scheduler_output, sampled)
+     │         logits ◄───────────────── gather ───────    (no logits: an empty ModelRunnerOutput)
+     │         sample, or verify the drafts → ModelRunnerOutput
+     └─ scheduler.update_from_output(scheduler_output, sampled_token_ids)
 
 Calls travel over a gloo control group; the compute group is NCCL on a GPU, gloo on the CPU. Why
 each choice, against nano-vllm's: 07_engine/topics/tensor_parallel.md, "Starting, calling, stopping".
@@ -195,6 +195,8 @@ class LocalExecutor:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.runner, method)(*args, **kwargs)
 
+    call_rank0 = call  # one rank: rank 0 is every rank
+
     def shutdown(self) -> None:
         pass
 
@@ -280,6 +282,11 @@ class TensorParallelExecutor:
         if self._state.closed:
             raise RuntimeError("the tensor-parallel executor is shut down")
         dist.broadcast_object_list([(method, args, kwargs)], src=0, group=self._state.control)
+        return getattr(self.runner, method)(*args, **kwargs)
+
+    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``runner.method(*args, **kwargs)`` on rank 0 only, which lives in this process: for
+        what rank 0 alone answers (its global KV pool's queries and counters)."""
         return getattr(self.runner, method)(*args, **kwargs)
 
     def shutdown(self) -> None:

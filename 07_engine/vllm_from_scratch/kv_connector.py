@@ -25,7 +25,8 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -47,7 +48,8 @@ class BlockTransfer:
 
 @dataclass
 class KVConnectorStats:
-    """What ``/metrics`` reports about the pool (counts of this rank's shard)."""
+    """What ``/metrics`` reports about the pool (counts of rank 0's shard): the scheduler side
+    counts its queries, the worker its loads and saves."""
 
     query_tokens: int = 0
     hit_tokens: int = 0
@@ -115,6 +117,10 @@ class KVConnectorWorker:
             self.stats.saved_bytes += n * self.block_bytes
         self.stats.save_seconds += time.perf_counter() - start
 
+    def query(self, block_hashes: list[bytes]) -> int:
+        """Tokens of ``block_hashes``' leading blocks the pool holds (``GlobalKVPool.query``)."""
+        return self.pool.query(block_hashes)
+
     def close(self) -> None:
         self.pool.backend.close()
 
@@ -132,21 +138,33 @@ class KVConnectorScheduler:
     Args:
         transfer: the parsed ``kv_transfer_config``.
         block_manager: the prefix-caching block manager (its block hashes are the pool's keys).
-        worker: rank 0's :class:`KVConnectorWorker` (this process's), whose pool answers queries.
+        query_pool: how many tokens of some leading block hashes the pool holds
+            (:meth:`KVConnectorWorker.query`, asked of rank 0's worker).
+        worker_stats: rank 0's worker's counters of loads and saves.
     """
 
-    def __init__(self, transfer: KVTransferConfig, block_manager: PrefixCachingBlockManager, worker: KVConnectorWorker):
+    def __init__(
+        self,
+        transfer: KVTransferConfig,
+        block_manager: PrefixCachingBlockManager,
+        query_pool: Callable[[list[bytes]], int],
+        worker_stats: Callable[[], KVConnectorStats],
+    ):
         self.transfer = transfer
         self.block_manager = block_manager
-        self.worker = worker
+        self.query_pool = query_pool
+        self.worker_stats = worker_stats
         self.block_size = block_manager.block_size
+        self.query_tokens = 0  # prompt tokens asked about at admissions
+        self.hit_tokens = 0  # of those, held by the pool
         self._pending: dict[str, tuple[Request, int]] = {}
         self._loading: set[bytes] = set()  # block hashes the pending loads bring in
         self._num_published: dict[str, int] = {}  # leading blocks of a request already offered
 
     @property
     def stats(self) -> KVConnectorStats:
-        return self.worker.stats
+        """The pool's counters: the queries made here, the loads and saves the worker made."""
+        return replace(self.worker_stats(), query_tokens=self.query_tokens, hit_tokens=self.hit_tokens)
 
     # ---- chapter 04's KVConnector protocol ---------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
@@ -158,9 +176,9 @@ class KVConnectorScheduler:
             return 0
         if not self._loading.isdisjoint(hashes):
             return None  # next step they are local prefix hits: one load, not one per request
-        matched = self.worker.pool.query(hashes)
-        self.stats.query_tokens += len(hashes) * self.block_size
-        self.stats.hit_tokens += matched
+        matched = self.query_pool(hashes)
+        self.query_tokens += len(hashes) * self.block_size
+        self.hit_tokens += matched
         return matched
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:

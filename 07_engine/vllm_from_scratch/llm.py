@@ -13,84 +13,16 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from tqdm.auto import tqdm
 
 from vllm_from_scratch.chat_utils import render_chat
-from vllm_from_scratch.engine import EngineRequest, LLMEngine, ParentRequest
-from vllm_from_scratch.engine import RequestOutput as EngineOutput
+from vllm_from_scratch.engine import LLMEngine
 from vllm_from_scratch.errors import ParameterError
-from vllm_from_scratch.outputs import CompletionOutput, RequestOutput
-from vllm_from_scratch.sampling_params import SamplingParams
+from vllm_from_scratch.input_processor import ParsedPrompt, PromptType, describe, parse_prompts
+from vllm_from_scratch.outputs import RequestOutput
+from vllm_from_scratch.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-# vLLM's single prompts: text, token ids, or the dicts TextPrompt / TokensPrompt.
-PromptType: TypeAlias = str | list[int] | Mapping[str, Any]
 Conversation: TypeAlias = list[Mapping[str, Any]]
-
-# The keys of vLLM's TextPrompt / TokensPrompt this engine acts on. The others (multimodal data,
-# cache_salt, ...) are refused by name rather than ignored.
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
-
-
-def _all_ints(values: Sequence[object]) -> bool:
-    return all(isinstance(t, int) and not isinstance(t, bool) for t in values)
-
-
-def _is_token_ids(value: object) -> bool:
-    """One prompt of token ids (vLLM's rule), rather than a batch of prompts."""
-    return isinstance(value, list) and bool(value) and _all_ints(value)
-
-
-def _describe(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def parse_prompts(prompts: object) -> list[tuple[str | None, str | list[int]]]:
-    """vLLM's prompt shapes as one list of ``(text shown in the output, what the engine encodes)``.
-
-    One prompt: a string, a list of token ids, ``{"prompt": str}`` or ``{"prompt_token_ids":
-    [...]}``. Several: a list (or tuple) of those. ``ParameterError`` naming ``prompts`` for any
-    other shape: a bare ``{"prompt": ...}`` dict must not be iterated into its key.
-    """
-    if isinstance(prompts, (str, Mapping)) or _is_token_ids(prompts):
-        return [_parse_one(prompts, "prompts")]
-    if not isinstance(prompts, (list, tuple)):
-        raise ParameterError(
-            "prompts",
-            "must be a string, a list of token ids, a {'prompt': ...} or {'prompt_token_ids': ...} dict, "
-            f"or a list of those; got {type(prompts).__name__}",
-        )
-    if not prompts:
-        raise ParameterError("prompts", "must hold at least one prompt")
-    return [_parse_one(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-
-
-def _parse_one(prompt: object, where: str) -> tuple[str | None, str | list[int]]:
-    if isinstance(prompt, str):
-        return prompt, prompt
-    if isinstance(prompt, (list, tuple)):
-        # Emptiness and the vocabulary are the engine's checks (encode_prompt); the shape is ours.
-        if not _all_ints(prompt):
-            raise ParameterError("prompts", f"{where} must be a list of token ids, got {_describe(prompt)}")
-        return None, list(prompt)  # vLLM reports no prompt text for token ids
-    if isinstance(prompt, Mapping):
-        unknown = sorted(str(k) for k in prompt if k not in PROMPT_KEYS)
-        if unknown:
-            raise ParameterError("prompts", f"{where} has keys this engine does not support: {unknown}")
-        text = prompt.get("prompt")
-        if text is not None and not isinstance(text, str):
-            raise ParameterError("prompts", f"{where}['prompt'] must be a string, got {type(text).__name__}")
-        if "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not _all_ints(ids):
-                raise ParameterError("prompts", f"{where}['prompt_token_ids'] must be a list of token ids")
-            return text, list(ids)  # a TokensPrompt may carry its text for the output
-        if text is None:
-            raise ParameterError("prompts", f"{where} must have a 'prompt' or a 'prompt_token_ids' key")
-        return text, text
-    raise ParameterError(
-        "prompts", f"{where} must be a string, a list of token ids or a prompt dict, got {type(prompt).__name__}"
-    )
 
 
 def _check_conversation(conversation: object, where: str) -> Conversation:
@@ -111,42 +43,6 @@ def _check_conversation(conversation: object, where: str) -> Conversation:
             raise ParameterError("messages", f"{where}[{j}]['content'] must be a string, got {type(content).__name__}")
         checked.append(message)
     return checked
-
-
-def _num_completions(req: EngineRequest | ParentRequest) -> int:
-    return len(req.children) if isinstance(req, ParentRequest) else 1
-
-
-def _request_output(
-    request_id: str, prompt: str | None, prompt_token_ids: list[int], finished: dict[int, EngineOutput]
-) -> RequestOutput:
-    """vLLM's result of one prompt from the engine's last record of each completion.
-
-    The prompt's own facts come from completion 0, which scored the prompt (``prompt_logprobs``)
-    and computed it: its ``num_cached_tokens`` are the request's prefix-cache hits.
-    """
-    outs = [finished[i] for i in range(len(finished))]
-    completions = [
-        CompletionOutput(
-            index=out.index,
-            text=out.text,
-            token_ids=out.completion_token_ids,
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
-            cumulative_logprob=out.cumulative_logprob,
-            logprobs=out.logprobs,
-        )
-        for out in outs
-    ]
-    return RequestOutput(
-        request_id=request_id,
-        prompt=prompt,
-        prompt_token_ids=prompt_token_ids,
-        prompt_logprobs=outs[0].prompt_logprobs,
-        outputs=completions,
-        finished=True,
-        num_cached_tokens=outs[0].num_cached_tokens,
-    )
 
 
 class LLM:
@@ -214,7 +110,7 @@ class LLM:
         conversations = [messages] if one else messages
         if not isinstance(conversations, (list, tuple)) or not conversations:
             raise ParameterError("messages", "must be a conversation (a list of message dicts) or a list of them")
-        parsed: list[tuple[str | None, str | list[int]]] = []
+        parsed: list[ParsedPrompt] = []
         for i, conversation in enumerate(conversations):
             text, ids = render_chat(
                 self.tokenizer,
@@ -228,7 +124,7 @@ class LLM:
 
     def _run(
         self,
-        prompts: list[tuple[str | None, str | list[int]]],
+        prompts: list[ParsedPrompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         priority: list[int] | None,
@@ -246,34 +142,45 @@ class LLM:
         if priority is None:
             priority = [0] * n
         if not isinstance(priority, (list, tuple)):
-            raise ParameterError("priority", f"must be a list with one int per prompt, got {_describe(priority)}")
+            raise ParameterError("priority", f"must be a list with one int per prompt, got {describe(priority)}")
         if len(priority) != n:
             raise ParameterError("priority", f"has {len(priority)} entries for {n} prompts (one per prompt)")
         engine = self.llm_engine
+        # vLLM's rule: the offline API wants each request's one final output, all n completions.
+        final_only: dict[int, SamplingParams] = {}
         try:
             requests = [
-                engine.make_request(ids, sp, priority=pr) for (_, ids), sp, pr in zip(prompts, per_prompt, priority)
+                engine.input_processor.process_inputs(
+                    None, source, self._final_only(sp, final_only), pr, prompt_text=text
+                )
+                for (text, source), sp, pr in zip(prompts, per_prompt, priority)
             ]
         except ParameterError as exc:
             if exc.param == "params":  # the engine's name for it; the offline API says vLLM's
                 raise ParameterError("sampling_params", str(exc).removeprefix("params "), exc.code) from exc
             raise
+        engine.add_requests(requests)
         order = {r.request_id: i for i, r in enumerate(requests)}
-        for req in requests:
-            engine.add_request(req)
-        finished: list[dict[int, EngineOutput]] = [{} for _ in requests]
+        results: list[RequestOutput | None] = [None] * n
         with tqdm(total=n, desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
-                        i = order[out.request_id]
-                        finished[i][out.index] = out
-                        if len(finished[i]) == _num_completions(requests[i]):
-                            bar.update(1)
-        return [
-            _request_output(req.request_id, text, req.prompt_token_ids, outs)
-            for req, (text, _), outs in zip(requests, prompts, finished)
-        ]
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        assert all(r is not None for r in results), "every request ends with one final output"
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _final_only(params: object, clones: dict[int, SamplingParams]) -> Any:
+        """``params`` asking for ``RequestOutputKind.FINAL_ONLY``: one copy per distinct object (a
+        batch usually shares one), never the caller's. Anything else is the input processor's to refuse."""
+        if not isinstance(params, SamplingParams) and params is not None:
+            return params
+        key = id(params)
+        if key not in clones:
+            clones[key] = (params or SamplingParams()).clone(output_kind=RequestOutputKind.FINAL_ONLY)
+        return clones[key]
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()

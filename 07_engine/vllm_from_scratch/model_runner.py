@@ -1,13 +1,15 @@
-"""Run the model on one scheduled step: a :class:`scheduler.SchedulerOutput` in, sampled tokens out.
+"""Run the model on one scheduled step: a :class:`scheduler.SchedulerOutput` in, one
+:class:`ModelRunnerOutput` out.
 
-Chapter 06 builds one forward's tensors from any mix of prompts, chunks, decode tokens and drafts;
-logits are computed for the sampling rows only, and drafts are verified with chapter 05's
-rejection sampler (07_engine/README.md, "Model runner").
+Chapter 06 builds one forward's tensors from any mix of prompts, chunks, decode tokens and drafts
+(its batch, chapter 02's ``AttentionMetadata`` included); logits are computed for the sampling
+rows only, and the sampler (``sampler.py``), or with drafts chapter 05's rejection sampler
+(``spec_decoding.py``), turns them into tokens (07_engine/README.md, "Model runner").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -16,30 +18,17 @@ import torch.distributed as dist
 from block_manager import cdiv
 from chunked_prefill import BatchInputs, SchedulerInfo, build_batch_inputs
 from kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
-from rejection_sampler_triton import rejection_sample_triton
 from scheduler import Request, SchedulerOutput
-from spec_decode import RejectionNoise, num_accepted_tokens, pad_draft_token_ids, rejection_sample
-from triton_setup import HAS_TRITON
 from vllm_from_scratch.compilation import CompiledForward
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.cuda_graph import MAX_CAPTURE_SIZE, CUDAGraphRunner
-from vllm_from_scratch.kv_connector import BlockTransfer, KVConnectorWorker
-from vllm_from_scratch.layers.attention import Attention, AttentionMetadata
+from vllm_from_scratch.kv_connector import BlockTransfer, KVConnectorStats, KVConnectorWorker
+from vllm_from_scratch.layers.attention import Attention
 from vllm_from_scratch.layers.prepacked import prepack_model
 from vllm_from_scratch.loader import get_model
-from vllm_from_scratch.sampler import (
-    NO_TOKEN,
-    LogprobsLists,
-    ProcessorEntries,
-    Sampler,
-    SamplingTensors,
-    apply_logits_processors,
-    exponential_noise,
-    gather_logprobs,
-    keep_in_vocabulary,
-    resolve_infinite_logits,
-)
+from vllm_from_scratch.sampler import LogprobsLists, ProcessorEntries, Sampler, SamplingMetadata, gather_logprobs
 from vllm_from_scratch.sampling_params import SamplingParams
+from vllm_from_scratch.spec_decoding import RejectionSampler
 
 # Longest dummy prompt of the warm-up; a step at the token budget is several of them.
 WARM_UP_ROW = 256
@@ -138,6 +127,23 @@ def _params(req: Request) -> SamplingParams:
 
 
 @dataclass
+class ModelRunnerOutput:
+    """What one step gives back (vLLM V1's ``ModelRunnerOutput``), by request id.
+
+    ``sampled_token_ids``: every request that sampled gets one token, or, after ``k`` drafts,
+    the accepted drafts followed by one recovered or bonus token; ``[NO_TOKEN]`` when its
+    distribution had no token to draw (:func:`sampler.resolve_infinite_logits`). ``logprobs``:
+    for those that asked, one position per token (:class:`sampler.LogprobsLists`).
+    ``prompt_logprobs``: for a request that scores its prompt and fed prompt tokens this step,
+    ``(first prompt position, positions)``. Ranks other than 0 return an empty one.
+    """
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
+
+
+@dataclass
 class PromptRows:
     """Where one request's prompt is scored this step: the hidden states at ``flat_rows`` (of
     the flat batch) predict prompt tokens ``first_position ...``, which are ``next_tokens``."""
@@ -185,17 +191,12 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for attn in self.attn_layers:
             attn.backend = config.attention_backend
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.vocab_size)
+        # A speculating engine samples every step through the rejection sampler (RejectionSampler.sample).
+        self.rejection_sampler = RejectionSampler(self.device, config.vocab_size) if config.speculative else None
         # Each live request's logit_bias and min_tokens entries as tensors, built when it first
         # samples and dropped once the scheduler reports it finished (rank 0 samples).
         self.processor_entries: dict[str, ProcessorEntries] = {}
-        # The last step's log-probabilities, for the engine (take_logprobs).
-        self.sample_logprobs: dict[str, LogprobsLists] = {}
-        self.prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = {}
-        # The Triton kernel on a GPU; the torch version (same noise, same tokens) elsewhere.
-        self.rejection_sampler = (
-            rejection_sample_triton if self.device.type == "cuda" and HAS_TRITON else rejection_sample
-        )
         # Sizing the cache on a GPU runs the largest steps through _forward, eagerly: the graphs
         # and the compiled forward are made after it, for the cache it sizes.
         self.graph_runner: CUDAGraphRunner | None = None
@@ -283,7 +284,7 @@ class ModelRunner:
         logits = self._dummy_forward([1] * sample_rows, context=0, shared_blocks=True)
         if logits is not None:  # only rank 0 samples under tensor parallelism
             rows = torch.ones(sample_rows, device=self.device)
-            self.sampler(logits, rows, torch.full_like(rows, 50, dtype=torch.long), rows * 0.9)
+            self.sampler.draw(logits, rows, torch.full_like(rows, 50, dtype=torch.long), rows * 0.9)
             del logits
         memory.synchronize()
         activation_peak = memory.max_memory_allocated() - base
@@ -367,27 +368,15 @@ class ModelRunner:
             info.add_row(f"warm-up-{i}", [0] * n, context, list(range(first, first + blocks_per_seq)), samples=True)
         batch = build_batch_inputs(info, self.block_size, self.device)
         if not logits:
-            self.model(batch.input_ids, batch.positions, self.attention_metadata(batch))
+            self.model(batch.input_ids, batch.positions, batch.attn_metadata)
             return None
         return self.compute_logits(batch)
 
     # ------------------------------------------------------------------ forward
-    @staticmethod
-    def attention_metadata(batch: BatchInputs) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=batch.slot_mapping,
-            cu_seqlens_q=batch.cu_seqlens_q,
-            seq_lens_k=batch.seq_lens_k,
-            block_tables=batch.block_tables,
-            max_seqlen_q=batch.max_seqlen_q,
-            max_seqlen_k=batch.max_seqlen_k,
-            is_decode=batch.max_seqlen_q == 1,
-        )
-
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
         """Hidden states of every token of ``batch`` (through a decode graph when one fits, through
         the compiled forward when there is one)."""
-        md = self.attention_metadata(batch)
+        md = batch.attn_metadata
         if self.graph_runner is not None and self.graph_runner.can_run(batch.input_ids, md):
             return self.graph_runner.run(batch.input_ids, batch.positions, md)
         if self.compiled_forward is not None:
@@ -412,57 +401,44 @@ class ModelRunner:
         return self._logits(self._forward(batch)[batch.logits_indices])
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
-        """Run one scheduled step: ``{request_id: tokens}`` for every request that samples.
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step: the batch, one forward, the sampling rows' logits, the sampler.
 
-        ``tokens`` is one sampled token, or, after ``k`` drafts, the accepted drafts followed by
-        one recovered or bonus token; ``[NO_TOKEN]`` for a request whose distribution had no token
-        to draw (:func:`sampler.resolve_infinite_logits`), and every id is checked against the
-        vocabulary (:func:`sampler.keep_in_vocabulary`). Ranks other than 0 return ``{}``. The
-        log-probabilities that requests asked for wait in :meth:`take_logprobs` until the next step.
+        Every rank runs the forward and the prompt rows' logits (collectives); rank 0 alone
+        samples and returns what the step gave (:class:`ModelRunnerOutput`), the others an empty
+        record. The K/V this forward filled is offered to the global KV pool after it.
         """
-        self.sample_logprobs, self.prompt_logprobs = {}, {}
         info = SchedulerInfo.from_scheduler_output(scheduler_output)
         batch = build_batch_inputs(info, self.block_size, self.device)
         hidden = self._forward(batch)
         logits = self._logits(hidden[batch.logits_indices])
-        prompt_rows = self._prompt_logprob_rows(scheduler_output, info)
-        if prompt_rows:  # every rank: the logits of the prompt rows are a collective
-            self._score_prompts(hidden, prompt_rows)
+        prompt_logprobs = self._score_prompts(hidden, self._prompt_logprob_rows(scheduler_output, info))
         if self.kv_worker is not None and scheduler_output.kv_connector_metadata is not None:
             self.kv_worker.save(scheduler_output.kv_connector_metadata.saves)
         if logits is None or logits.shape[0] == 0:
-            return {}
-        sampling_requests = [r for r, n in zip(scheduler_output.scheduled_requests, info.num_sample_rows) if n]
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
+        metadata = self._sampling_metadata(scheduler_output, info, logits)
+        if self.rejection_sampler is None:
+            sampled = self.sampler.sample(logits, metadata)
+        else:
+            drafts = [scheduler_output.scheduled_spec_decode_tokens.get(rid, []) for rid in metadata.request_ids]
+            sampled = self.rejection_sampler.sample(logits, metadata, drafts)
+        return ModelRunnerOutput(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs)
+
+    def _sampling_metadata(
+        self, scheduler_output: SchedulerOutput, info: SchedulerInfo, logits: torch.Tensor
+    ) -> SamplingMetadata:
+        """The sampling rows' settings; each request's processor entries are kept until the
+        scheduler reports it finished."""
         for rid in scheduler_output.finished_request_ids:
             self.processor_entries.pop(rid, None)
-        sampling = SamplingTensors.from_requests(
+        return SamplingMetadata.from_requests(
             scheduler_output.scheduled_requests,
             info.num_sample_rows,
             logits.shape[-1],
             logits.device,
             self.processor_entries,
         )
-        # vLLM V1 returns the raw distribution's logprobs: taken before the processors.
-        num_logprobs = [_params(r).logprobs for r in sampling_requests]
-        want = [i for i, k in enumerate(num_logprobs) if k is not None]
-        raw_logprobs = logits[want].log_softmax(dim=-1) if want else None
-        logits = apply_logits_processors(logits, sampling)
-        if self.config.speculative is not None:
-            # Every step of a speculating engine, drafts or none: a seeded request's generator is
-            # then consumed the same way whether or not the rest of its batch drafted this step.
-            return self._verify_drafts_checked(logits, sampling, info)
-        sampled = self.sampler(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps, sampling.generators)
-        sampled = keep_in_vocabulary(sampled, self.config.vocab_size)
-        if raw_logprobs is not None:
-            # A NO_TOKEN row's request ends in error: its logprobs are scored at id 0 and dropped.
-            scored = sampled[want].clamp(min=0)
-            lists = gather_logprobs(raw_logprobs, scored, [num_logprobs[i] or 0 for i in want])
-            for j, i in enumerate(want):
-                self.sample_logprobs[sampling.request_ids[i]] = LogprobsLists(
-                    lists.token_ids[j : j + 1], lists.logprobs[j : j + 1], lists.ranks[j : j + 1]
-                )
-        return {rid: [t] for rid, t in zip(sampling.request_ids, sampled.tolist())}
 
     @staticmethod
     def _prompt_logprob_rows(scheduler_output: SchedulerOutput, info: SchedulerInfo) -> list[PromptRows]:
@@ -492,13 +468,15 @@ class ModelRunner:
                 )
         return rows
 
-    def _score_prompts(self, hidden: torch.Tensor, rows: list[PromptRows]) -> None:
-        """Gather every prompt row's logprobs into ``prompt_logprobs`` (rank 0; every rank
-        computes the logits with it).
+    def _score_prompts(self, hidden: torch.Tensor, rows: list[PromptRows]) -> dict[str, tuple[int, LogprobsLists]]:
+        """Every prompt row's logprobs, ``{request_id: (first position, positions)}`` (rank 0;
+        every rank computes the logits with it, and gets ``{}``).
 
         The logits go through ``PROMPT_LOGITS_SLICE`` rows at a time: a whole chunk's
         ``[tokens, vocab]`` float32 logits would be gigabytes at a large token budget.
         """
+        if not rows:
+            return {}
         flat = [i for r in rows for i in r.flat_rows]
         targets = torch.tensor([t for r in rows for t in r.next_tokens], device=hidden.device)
         ks = [r.num_logprobs for r in rows for _ in r.next_tokens]
@@ -511,21 +489,33 @@ class ModelRunner:
                 lists.token_ids += part.token_ids
                 lists.logprobs += part.logprobs
                 lists.ranks += part.ranks
+        scored: dict[str, tuple[int, LogprobsLists]] = {}
         if not lists.token_ids:
-            return  # a rank other than 0
+            return scored  # a rank other than 0
         offset = 0
         for r in rows:
             end = offset + len(r.next_tokens)
-            self.prompt_logprobs[r.request_id] = (
+            scored[r.request_id] = (
                 r.first_position,
                 LogprobsLists(lists.token_ids[offset:end], lists.logprobs[offset:end], lists.ranks[offset:end]),
             )
             offset = end
+        return scored
 
-    def take_logprobs(self) -> tuple[dict[str, LogprobsLists], dict[str, tuple[int, LogprobsLists]]]:
-        """The last step's log-probabilities: ``{request_id: one position}`` for sampled tokens
-        and ``{request_id: (first prompt position, positions)}`` for prompt tokens (rank 0)."""
-        return self.sample_logprobs, self.prompt_logprobs
+    # ------------------------------------------------------------------ the global KV pool
+    def query_kv_pool(self, block_hashes: list[bytes]) -> int:
+        """Tokens of ``block_hashes``' leading blocks this rank's pool holds (rank 0 is asked)."""
+        assert self.kv_worker is not None, "the engine only queries with a kv_transfer_config"
+        return self.kv_worker.query(block_hashes)
+
+    def kv_connector_stats(self) -> KVConnectorStats:
+        """This rank's counters of loads and saves (a copy)."""
+        assert self.kv_worker is not None, "the engine only asks with a kv_transfer_config"
+        return replace(self.kv_worker.stats)
+
+    def close_kv_pool(self) -> None:
+        if self.kv_worker is not None:
+            self.kv_worker.close()
 
     def load_kv(self, transfers: list[BlockTransfer]) -> dict[str, int]:
         """Load blocks from the global KV pool into this rank's cache; ``{request_id: tokens}``
@@ -537,60 +527,3 @@ class ModelRunner:
             dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=self.tp_group)
             loaded = dict(zip(loaded, counts.tolist()))
         return {rid: n * self.block_size for rid, n in loaded.items()}
-
-    def _verify_drafts_checked(
-        self, logits: torch.Tensor, sampling: SamplingTensors, info: SchedulerInfo
-    ) -> dict[str, list[int]]:
-        """:meth:`verify_drafts` on logits whose ``+inf`` rows are resolved; a request with a row
-        that has no token to draw, or an emitted id outside the vocabulary, gets ``[NO_TOKEN]``."""
-        logits, has_token = resolve_infinite_logits(logits)
-        rows_per_request = [n for n in info.num_sample_rows if n]
-        drawable = [bool(rows.all()) for rows in has_token.split(rows_per_request)]
-        verified = self.verify_drafts(logits, sampling, info)
-        vocab = self.config.vocab_size
-        return {
-            rid: tokens if ok and all(0 <= t < vocab for t in tokens) else [NO_TOKEN]
-            for (rid, tokens), ok in zip(verified.items(), drawable)
-        }
-
-    def verify_drafts(
-        self, logits: torch.Tensor, sampling: SamplingTensors, info: SchedulerInfo
-    ) -> dict[str, list[int]]:
-        """Chapter 05's rejection sampling of every sampling request's drafts, in one call.
-
-        Request ``i``'s ``k_i + 1`` logits rows become its target distributions ``[k_i + 1, V]``,
-        padded to the batch's largest ``K + 1`` (padding rows are never read); a request without
-        drafts is then a plain sample from its one distribution.
-        """
-        drafts = [
-            info.merge_prompt[idx + last - k + 1 : idx + last + 1]
-            for idx, last, k in zip(info.chunk_idx, info.last_pos, info.num_spec)
-            if last >= 0
-        ]
-        num_spec = torch.tensor([len(d) for d in drafts], device=logits.device)
-        K = int(num_spec.max())
-        probs = Sampler.compute_probs(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps)
-        starts = torch.cumsum(num_spec + 1, 0) - (num_spec + 1)
-        rows = starts.unsqueeze(1) + torch.minimum(
-            torch.arange(K + 1, device=logits.device).unsqueeze(0), num_spec.unsqueeze(1)
-        )
-        target = probs[rows]  # [B, K + 1, V]
-        draft_ids = pad_draft_token_ids(drafts, K, device=logits.device)
-        noise = self.rejection_noise([len(d) for d in drafts], K, target.shape[-1], sampling.request_generators)
-        out = self.rejection_sampler(draft_ids, None, target, noise=noise)
-        accepted = num_accepted_tokens(out).tolist()
-        return {rid: row[: n + 1] for rid, row, n in zip(sampling.request_ids, out.tolist(), accepted)}
-
-    def rejection_noise(
-        self, num_spec: list[int], K: int, vocab_size: int, generators: list[torch.Generator | None]
-    ) -> RejectionNoise:
-        """The rejection sampler's noise for the whole batch: a seeded request ``i`` draws its
-        exponential row and then its ``num_spec[i]`` uniforms from its own generator (never the
-        batch's padded ``K``), so its tokens do not depend on the batch; the rest come from one
-        batched draw each."""
-        uniform = torch.rand(len(num_spec), K, device=self.device)
-        exponential = exponential_noise(len(num_spec), vocab_size, self.device, generators)
-        for i, (gen, k) in enumerate(zip(generators, num_spec)):
-            if gen is not None and k:
-                uniform[i, :k].uniform_(generator=gen)
-        return RejectionNoise(uniform, exponential)

@@ -1,7 +1,7 @@
 """The OpenAI wire format the server speaks: request models and error bodies.
 
 The models check the JSON's *shape*; its *values* are the engine's to judge (``SamplingParams``
-and ``LLMEngine.make_request``), so each rule is written once. No field is silently ignored:
+and ``InputProcessor.process_inputs``), so each rule is written once. No field is silently ignored:
 every field OpenAI's or vLLM's API defines is listed once (:data:`COMPLETION_FIELDS`,
 :data:`CHAT_FIELDS`); a ``SamplingParams`` field passes straight to the engine, one the engine
 cannot honour (``best_of`` > 1, tools, ...) is refused with a 400 naming it unless it asks for

@@ -1,9 +1,13 @@
-"""What ``LLM.generate`` and ``LLM.chat`` return: vLLM's ``RequestOutput`` and ``CompletionOutput``.
+"""What the engine returns: vLLM's ``RequestOutput`` and ``CompletionOutput``, one record for every
+caller.
 
-These are the offline API's finished results, named and shaped as in ``vllm/outputs.py`` so
-that code written for vLLM reads them unchanged (``out.outputs[0].text``). The engine's
-per-step record, streamed to the server, is :class:`vllm_from_scratch.engine.RequestOutput`;
-``LLM`` folds the last one of each request into the classes here.
+Named and shaped as in ``vllm/outputs.py``, so that code written for vLLM reads them unchanged
+(``out.outputs[0].text``). ``LLMEngine.step`` returns them as requests advance and ``LLM.generate``
+returns the finished ones; what each carries follows the request's
+``SamplingParams.output_kind`` (vLLM's ``RequestOutputKind``): everything so far (``CUMULATIVE``,
+the default), only this step's part (``DELTA``, what the server streams), or one record at the
+end (``FINAL_ONLY``, what ``LLM.generate`` asks for). The output processor
+(``output_processor.py``) makes them.
 
 The book's chapters and the source documents read results as dicts (``out["text"]``);
 ``RequestOutput.__getitem__`` keeps that shorthand working.
@@ -54,6 +58,11 @@ class CompletionOutput:
             distribution had no token to draw, or its step failed; the server's 500).
         stop_reason: the stop string or ``stop_token_ids`` entry that ended it; None for EOS,
             a length stop or an abort.
+        error: why the engine ended it with finish reason "error" (the book's addition: the
+            server's 500 says it); None otherwise.
+
+    With ``RequestOutputKind.DELTA``, ``text``, ``token_ids`` and ``logprobs`` hold only what this
+    record adds to the completion (``cumulative_logprob`` is the running sum either way).
     """
 
     index: int
@@ -63,6 +72,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
 
     def finished(self) -> bool:
         """Whether this completion has ended (vLLM's method)."""
@@ -80,10 +90,14 @@ class RequestOutput:
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt token:
             None for the first (nothing predicts it), then ``{token_id: Logprob}`` of that token
             and the most likely ones at its position; None unless requested.
-        outputs: the ``n`` completions, in index order.
-        finished: whether the request has ended (always True from ``LLM.generate``).
+        outputs: the completions this record is about: all ``n``, in index order, at the end of
+            a ``FINAL_ONLY`` request (``LLM.generate``); otherwise the one that advanced (its
+            ``index`` says which), as vLLM streams a request with ``n`` > 1.
+        finished: whether the request has ended: every one of its completions.
         num_cached_tokens: prompt tokens that were not computed (prefix-cache hits); with
             ``n`` > 1, completion 0's, the one that computed the prompt for the others.
+
+    ``prompt_logprobs`` come with completion 0, once with ``DELTA`` (in its first record).
 
     ``out["text"]``, ``out["token_ids"]`` and ``out["num_cached_tokens"]`` are the book's
     shorthand, from the source documents' dict results: the first completion's text and token

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -231,12 +231,14 @@ def _group_rows(
 
 
 @dataclass
-class SamplingTensors:
-    """Per-row sampling settings of one batch's logits (a request repeats over its rows).
+class SamplingMetadata:
+    """Per-row sampling settings of one batch's logits (a request repeats over its rows), vLLM
+    V1's ``SamplingMetadata``.
 
     ``top_ks`` / ``top_ps`` are None when no row uses them; ``generators`` is None when no
-    request is seeded. ``request_ids`` and ``request_generators`` have one entry per sampling
-    request, in row order.
+    request is seeded. ``request_ids``, ``request_generators`` and ``num_logprobs`` (the
+    ``SamplingParams.logprobs`` each asked for, None: none) have one entry per sampling request,
+    in row order.
 
     The logits processors (:func:`apply_logits_processors`) are None when no row uses them:
     ``min_ps [B]``; ``logit_bias`` and ``min_tokens_mask`` as ``(batch rows, [V] row)`` groups,
@@ -250,6 +252,7 @@ class SamplingTensors:
     generators: list[torch.Generator | None] | None
     request_ids: list[str]
     request_generators: list[torch.Generator | None]
+    num_logprobs: list[int | None] = field(default_factory=list)
     min_ps: torch.Tensor | None = None
     logit_bias: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     min_tokens_mask: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -263,7 +266,7 @@ class SamplingTensors:
         vocab_size: int,
         device: torch.device | str,
         entries_cache: dict[str, ProcessorEntries] | None = None,
-    ) -> SamplingTensors:
+    ) -> SamplingMetadata:
         """``requests[i]`` (with ``sampling_params`` and ``generator``) owns ``num_rows[i]`` rows.
 
         The logits processors also read a request's ``prompt_token_ids``,
@@ -284,11 +287,19 @@ class SamplingTensors:
         if any(p.top_p < 1.0 for p in params):
             top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         generators = [g for (r, n) in sampling for g in [r.generator] * n] if any(request_generators) else None
-        tensors = cls(temps, top_ks, top_ps, generators, [r.request_id for r, _ in sampling], request_generators)
+        metadata = cls(
+            temps,
+            top_ks,
+            top_ps,
+            generators,
+            [r.request_id for r, _ in sampling],
+            request_generators,
+            [r.sampling_params.logprobs for r, _ in sampling],
+        )
         if any(p.min_p > 0.0 or p.logit_bias or p.min_tokens or p.uses_penalties for p in params):
             row_requests = [r for r, n in sampling for _ in range(n)]
-            tensors._add_processors(row_requests, vocab_size, device, {} if entries_cache is None else entries_cache)
-        return tensors
+            metadata._add_processors(row_requests, vocab_size, device, {} if entries_cache is None else entries_cache)
+        return metadata
 
     def _add_processors(
         self, row_requests: list, vocab_size: int, device: torch.device | str, cache: dict[str, ProcessorEntries]
@@ -331,7 +342,7 @@ class SamplingTensors:
         return any(x is not None for x in (self.min_ps, self.logit_bias, self.min_tokens_mask, self.penalties))
 
 
-def apply_logits_processors(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+def apply_logits_processors(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
     """vLLM V1's steps before temperature, top-k and top-p, on a copy of ``logits [B, V]``.
 
     In vLLM V1's order: ``min_tokens`` (EOS and stop tokens to -inf), ``logit_bias`` (added),
@@ -343,6 +354,7 @@ def apply_logits_processors(logits: torch.Tensor, sampling: SamplingTensors) -> 
     ``(l_i - l_max) / T < log(min_p)``, i.e. ``l_i < l_max + T * log(min_p)`` on the logits
     before temperature, so it is applied here and the sampler that follows is unchanged.
     """
+    sampling = sampling_metadata
     if not sampling.has_processors:
         return logits
     logits = logits.float().clone()
@@ -392,8 +404,50 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprob
     )
 
 
+@dataclass
+class SamplerOutput:
+    """One step's draw (vLLM V1's ``SamplerOutput``), by request id: the tokens each sampling
+    request gained (one, or accepted drafts and one more; ``[NO_TOKEN]`` when it had nothing to
+    draw) and, for those that asked, the logprobs of each of them (:class:`LogprobsLists`, one
+    position per token)."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
 class Sampler:
-    """Greedy, temperature, top-k and top-p sampling with optional per-row generators."""
+    """Greedy, temperature, top-k and top-p sampling with optional per-row generators, after vLLM
+    V1's logits processors; :meth:`sample` is the whole sequence, :meth:`draw` the draw itself.
+
+    ``vocab_size`` is the model's: an id outside it (a sampler bug) becomes :data:`NO_TOKEN`.
+    """
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def sample(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
+        """One token per row of ``logits [B, V]`` (float32, one row per sampling request).
+
+        vLLM V1's order: the logprobs of the raw distribution (its default ``logprobs_mode``,
+        before every processor), then the logits processors, then the draw; each id is checked
+        against the vocabulary (:func:`keep_in_vocabulary`).
+        """
+        metadata = sampling_metadata
+        want = [i for i, k in enumerate(metadata.num_logprobs) if k is not None]
+        raw_logprobs = logits[want].log_softmax(dim=-1) if want else None
+        logits = apply_logits_processors(logits, metadata)
+        sampled = self.draw(logits, metadata.temperatures, metadata.top_ks, metadata.top_ps, metadata.generators)
+        sampled = keep_in_vocabulary(sampled, self.vocab_size)
+        output = SamplerOutput({rid: [t] for rid, t in zip(metadata.request_ids, sampled.tolist())})
+        if raw_logprobs is not None:
+            # A NO_TOKEN row's request ends in error: its logprobs are scored at id 0 and dropped.
+            scored = sampled[want].clamp(min=0)
+            lists = gather_logprobs(raw_logprobs, scored, [metadata.num_logprobs[i] or 0 for i in want])
+            for j, i in enumerate(want):
+                output.logprobs[metadata.request_ids[i]] = LogprobsLists(
+                    lists.token_ids[j : j + 1], lists.logprobs[j : j + 1], lists.ranks[j : j + 1]
+                )
+        return output
 
     @staticmethod
     def compute_probs(
@@ -429,8 +483,8 @@ class Sampler:
         u = 1.0 - uniform_noise(probs.shape[0], 1, probs.device, generators)
         return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
 
-    def __call__(
-        self,
+    @staticmethod
+    def draw(
         logits: torch.Tensor,
         temperatures: torch.Tensor,
         top_ks: torch.Tensor | None = None,
@@ -447,8 +501,8 @@ class Sampler:
         if bool(greedy.all()):
             sampled = logits.argmax(dim=-1)
         else:
-            probs = self.compute_probs(logits, temperatures, top_ks, top_ps)
-            sampled = self.sample_from_probs(probs, generators)
+            probs = Sampler.compute_probs(logits, temperatures, top_ks, top_ps)
+            sampled = Sampler.sample_from_probs(probs, generators)
             if bool(greedy.any()):
                 sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
         return sampled.masked_fill_(~has_token, NO_TOKEN)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import logging
 import math
 from collections.abc import Iterable
@@ -61,13 +62,21 @@ def _clamp_bias(value: object) -> Any:
     return value
 
 
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request carries (vLLM's enum and default)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what this step added (the server's streams)
+    FINAL_ONLY = 2  # nothing until the end, then everything, all n completions together (LLM.generate)
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings (vLLM's names and defaults).
 
     Args:
         n: completions to sample for the prompt (>= 1), returned in ``RequestOutput.outputs``
-            in index order. Each runs as its own request: :meth:`child_params` gives its settings.
+            in index order. Each runs as its own request (``parallel_sampling.ParentRequest``).
         temperature: softmax temperature in [0, 2]; 0 means greedy (argmax), and a positive
             temperature below 0.01 is raised to 0.01 with a warning, as vLLM does. Default 1.0.
         top_p: keep the smallest set of tokens whose probability reaches ``top_p``; in (0, 1].
@@ -105,6 +114,8 @@ class SamplingParams:
             -1: the last ``max_model_len``; None: no truncation. The engine checks it against
             ``max_model_len``.
             With ``n`` > 1 only completion 0 scores the prompt (once for the request).
+        output_kind: what each ``RequestOutput`` carries (:class:`RequestOutputKind`);
+            ``LLM.generate`` sets ``FINAL_ONLY`` and the server ``DELTA``, as in vLLM.
 
     Every rule lives in :meth:`validate`, which raises :class:`ParameterError` naming the field.
     """
@@ -129,6 +140,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -196,24 +208,23 @@ class SamplingParams:
                 check_int(name, getattr(self, name), 0)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ParameterError("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}")
 
-    def child_params(self, index: int) -> SamplingParams:
-        """The settings of completion ``index`` of ``n``: one sample, as vLLM's
-        ``ParentRequest.get_child_info`` derives them (``vllm/v1/engine/parallel_sampling.py``).
+    def clone(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes`` set (vLLM's ``clone``), for the engine's settled and derived
+        settings: a request's resolved ``max_tokens``, its ``output_kind``, a completion's seed.
 
-        ``seed + index`` when seeded, so each completion is reproducible and equals an ``n=1``
-        request with that seed; ``prompt_logprobs`` on completion 0 only, so the prompt is scored
-        once (vLLM scores it in every child) and the other completions may take prefix-cache hits.
+        Not validated again: the fields are valid already, and validating walks every
+        ``logit_bias`` and ``stop_token_ids`` entry (4 s for 64 completions of a 49k-entry
+        ``logit_bias``); the copies share those collections, which nothing changes.
         """
-        check_int("index", index, 0, self.n - 1)
-        # A copy, not dataclasses.replace: the fields are valid already, and validating a child
-        # again walks every logit_bias and stop_token_ids entry once per completion (4 s for 64
-        # completions of a 49k-entry logit_bias). The children share those collections.
-        child = copy.copy(self)
-        child.n = 1
-        child.seed = None if self.seed is None else self.seed + index
-        child.prompt_logprobs = self.prompt_logprobs if index == 0 else None
-        return child
+        params = copy.copy(self)
+        for name, value in changes.items():
+            if not hasattr(params, name):
+                raise AttributeError(f"SamplingParams has no field {name!r}")
+            setattr(params, name, value)
+        return params
 
     @property
     def uses_penalties(self) -> bool:

@@ -1,12 +1,14 @@
 """The OpenAI endpoints' logic: a request body in, engine requests out, a response back.
 
-The body becomes token ids and a :class:`SamplingParams`, checked by the engine's own code (its
-:class:`ParameterError` becomes a 400 naming the field), in worker threads: never on the event
-loop that streams the other clients' tokens. The engine's logprobs come back in OpenAI's shapes
-(:mod:`openai_logprobs`), with completions' ``echo`` showing the prompt and its logprobs first,
-as vLLM's server does (lm-evaluation-harness scores a continuation that way). A request's ``n``
-completions are one engine request each prompt (the engine runs them as child requests) and
-``n`` choices each prompt in the response, laid out as vLLM lays them out (:class:`Choices`).
+The body becomes a :class:`SamplingParams` and one :class:`EngineCoreRequest` per prompt, made by
+the engine's own input processor (its :class:`ParameterError` becomes a 400 naming the field) in
+worker threads with a tokenizer of their own: a prompt is encoded and checked once, never on the
+event loop that streams the other clients' tokens nor on the engine's thread. The engine's
+logprobs come back in OpenAI's shapes (:mod:`openai_logprobs`), with completions' ``echo``
+showing the prompt and its logprobs first, as vLLM's server does (lm-evaluation-harness scores a
+continuation that way). A request's ``n`` completions are one engine request each prompt (the
+engine runs them as child requests) and ``n`` choices each prompt in the response, laid out as
+vLLM lays them out (:class:`Choices`).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from fastapi.responses import Response, StreamingResponse
 from vllm_from_scratch.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from vllm_from_scratch.chat_utils import render_chat
 from vllm_from_scratch.config import ServingLimits
-from vllm_from_scratch.engine import RequestOutput, encode_prompt
 from vllm_from_scratch.errors import ParameterError
+from vllm_from_scratch.input_processor import EngineCoreRequest, InputProcessor
 from vllm_from_scratch.openai_logprobs import LogprobEntry, LogprobsRenderer, padded, prompt_logprobs_json
 from vllm_from_scratch.openai_protocol import (
     APIError,
@@ -42,13 +44,11 @@ from vllm_from_scratch.openai_protocol import (
     random_id,
     usage,
 )
-from vllm_from_scratch.sampling_params import SamplingParams
+from vllm_from_scratch.sampling_params import RequestOutputKind, SamplingParams
 from vllm_from_scratch.streaming import SSE_DONE, collect_or_abort, sse, stream_events
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-    from vllm_from_scratch.outputs import Logprob
+    from vllm_from_scratch.outputs import CompletionOutput, Logprob, RequestOutput
 
 OpenAIRequest: TypeAlias = CompletionRequest | ChatCompletionRequest
 # Request bodies prepared (and whole responses rendered) at once. Two: one long body does not
@@ -101,18 +101,19 @@ class Choice:
         ``n`` > 1 another completion's first tokens could come before it reports the scores."""
         return not self.echo_logprobs or self.echoed or self.prompt.logprobs is not None
 
-    def update(self, out: RequestOutput) -> None:
-        self.text += out.new_text
-        self.token_ids += out.new_token_ids
-        if out.index == 0:
+    def update(self, out: RequestOutput, completion: CompletionOutput) -> None:
+        """Fold in one record of this choice's completion (``RequestOutputKind.DELTA``: what it adds)."""
+        self.text += completion.text
+        self.token_ids += completion.token_ids
+        if completion.index == 0:
             self.prompt.cached_tokens = out.num_cached_tokens or 0
-        if out.logprobs is not None:
-            self.logprobs = out.logprobs
+        if completion.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + completion.logprobs
         if out.prompt_logprobs is not None:
             self.prompt.logprobs = out.prompt_logprobs
-        if out.finished:
-            self.finish_reason = out.finish_reason
-            self.stop_reason = getattr(out, "stop_reason", None)
+        if completion.finished():
+            self.finish_reason = completion.finish_reason
+            self.stop_reason = completion.stop_reason
 
     def take(self) -> tuple[str, list[int], list[LogprobEntry], int]:
         """The next piece of the response (a stream's chunk, or the whole): the text and the
@@ -156,13 +157,17 @@ class Choices:
     def build(cls, prompts: list[PromptState], n: int, echo_only: bool, echo_logprobs: bool) -> Choices:
         return cls(prompts, n, [Choice(p, echo_only, echo_logprobs) for p in prompts for _ in range(n)])
 
-    def update(self, prompt_index: int, out: RequestOutput) -> int:
-        """Fold ``out`` (an output of prompt ``prompt_index``'s request) into its choice; returns
-        the choice's index. An output with finish reason "error" raises (:func:`raise_if_error`)."""
-        raise_if_error(out)
-        i = prompt_index * self.n + out.index
-        self.items[i].update(out)
-        return i
+    def update(self, prompt_index: int, out: RequestOutput) -> list[tuple[int, CompletionOutput]]:
+        """Fold ``out`` (an output of prompt ``prompt_index``'s request) into its choices; returns
+        each choice's index with the completion record it took. A completion with finish reason
+        "error" raises (:func:`raise_if_error`)."""
+        updated = []
+        for completion in out.outputs:
+            raise_if_error(completion)
+            i = prompt_index * self.n + completion.index
+            self.items[i].update(out, completion)
+            updated.append((i, completion))
+        return updated
 
     def usage(self) -> dict[str, Any]:
         return usage(
@@ -172,11 +177,12 @@ class Choices:
         )
 
 
-def raise_if_error(out: RequestOutput) -> None:
+def raise_if_error(completion: CompletionOutput) -> None:
     """vLLM's rule for finish reason "error": the engine could not go on with the request, and
     the response is a 500 (an error event in a stream) rather than a choice cut short."""
-    if out.finish_reason == "error":
-        raise APIError(f"Internal server error: {out.error or 'the engine ended the request'}", status_code=500)
+    if completion.finish_reason == "error":
+        why = completion.error or "the engine ended the request"
+        raise APIError(f"Internal server error: {why}", status_code=500)
 
 
 def api_error(exc: ValueError, field_names: dict[str, str]) -> APIError:
@@ -190,10 +196,10 @@ def api_error(exc: ValueError, field_names: dict[str, str]) -> APIError:
 class OpenAIServing:
     """``/v1/completions`` and ``/v1/chat/completions`` over an :class:`AsyncLLM`.
 
-    ``tokenizer`` is the server's own instance, used from worker threads while the engine
-    thread uses the engine's. ``default_sampling_params`` are the model's own sampling defaults
-    (:func:`generation_config_defaults`), for requests that leave a field unset.
-    ``vocab_size`` and ``max_model_len`` are the engine's, for its prompt checks; ``limits``
+    ``input_processor`` is the engine's (``InputProcessor.with_tokenizer``: the same checks with
+    the server's own tokenizer instance, used from worker threads while the engine thread
+    detokenizes with its own). ``default_sampling_params`` are the model's own sampling defaults
+    (:func:`generation_config_defaults`), for requests that leave a field unset. ``limits``
     bound what one request may ask for (:class:`config.ServingLimits`). Bodies are prepared, and
     whole responses rendered, in :data:`PREPARE_WORKERS` threads at the lowest CPU priority
     (:func:`lowest_cpu_priority`): the requests already running come first, and the event loop
@@ -204,9 +210,7 @@ class OpenAIServing:
         self,
         llm: AsyncLLM,
         served_model_name: str,
-        tokenizer: PreTrainedTokenizerBase | None,
-        max_model_len: int,
-        vocab_size: int,
+        input_processor: InputProcessor,
         default_sampling_params: Mapping[str, Any] | None = None,
         scheduling_policy: str = "fcfs",
         limits: ServingLimits | None = None,
@@ -216,9 +220,10 @@ class OpenAIServing:
         self.limits = limits or ServingLimits()
         self.default_sampling_params = dict(default_sampling_params or {})
         self.served_model_name = served_model_name
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
+        self.input_processor = input_processor
+        self.tokenizer = input_processor.tokenizer
+        self.max_model_len = input_processor.config.max_model_len
+        self.vocab_size = input_processor.config.vocab_size
         self.executor = ThreadPoolExecutor(
             PREPARE_WORKERS, thread_name_prefix="prepare", initializer=lowest_cpu_priority
         )
@@ -233,13 +238,17 @@ class OpenAIServing:
                 f"The model `{model}` does not exist.", status_code=404, param="model", code="model_not_found"
             )
 
-    def prepare(self, body: OpenAIRequest) -> tuple[SamplingParams, list[list[int]], list[str] | None]:
-        """The body's ``SamplingParams``, its prompts' token ids, both checked by the engine's
-        own code (:func:`engine.encode_prompt`), and the prompts' text where ``echo`` shows it
-        (else None); run in a worker thread."""
+    def prepare(
+        self, body: OpenAIRequest, request_id: str
+    ) -> tuple[SamplingParams, list[EngineCoreRequest], list[str] | None]:
+        """The body's ``SamplingParams``, its prompts as engine requests ``<request_id>-<i>``,
+        both checked by the engine's input processor, and the prompts' text where ``echo``
+        shows it (else None); run in a worker thread. The engine streams every output's delta
+        (``RequestOutputKind.DELTA``), which the response accumulates (:class:`Choice`)."""
         limits = self.limits
         try:
-            params = SamplingParams(**body.sampling_kwargs(self.default_sampling_params))
+            fields = body.sampling_kwargs(self.default_sampling_params)
+            params = SamplingParams(**fields, output_kind=RequestOutputKind.DELTA)
             if len(params.stop or ()) > limits.max_stop_strings:
                 raise APIError(
                     f"stop holds {len(params.stop or ())} strings; this server takes at most "
@@ -256,16 +265,22 @@ class OpenAIServing:
                         f"{limits.max_completion_prompts} in one request (max_completion_prompts)",
                         param="prompt",
                     )
-            ids = [
-                encode_prompt(self.tokenizer, p, self.vocab_size, self.max_model_len, params.truncate_prompt_tokens)
-                for p in prompts
+            # The OpenAI API refuses a max_tokens that cannot fit, where offline use cuts it.
+            requests = [
+                self.input_processor.process_inputs(
+                    f"{request_id}-{i}", p, params, body.priority or 0, fit_max_tokens=False
+                )
+                for i, p in enumerate(prompts)
             ]
         except ValueError as exc:
             raise api_error(exc, body.field_names) from exc
-        self.check_kv_tokens(body, params, [len(i) for i in ids])
-        self.check_response_size(body, params, [len(i) for i in ids])
+        prompt_lens = [len(r.prompt_token_ids) for r in requests]
+        self.check_kv_tokens(body, params, prompt_lens)
+        self.check_response_size(body, params, prompt_lens)
         echo = isinstance(body, CompletionRequest) and body.echo
-        return params, ids, [self.prompt_text(p, i) for p, i in zip(prompts, ids)] if echo else None
+        if not echo:
+            return params, requests, None
+        return params, requests, [self.prompt_text(p, r.prompt_token_ids) for p, r in zip(prompts, requests)]
 
     def check_kv_tokens(self, body: OpenAIRequest, params: SamplingParams, prompt_lens: list[int]) -> None:
         """A 400 before any work when the request's sequences could hold more than
@@ -321,14 +336,12 @@ class OpenAIServing:
         # which prepare() turns into the 400.
         return render_chat(self.tokenizer, conversation, **options)[1]
 
-    async def start(
-        self, base_id: str, prompts: list[list[int]], params: SamplingParams, body: OpenAIRequest
-    ) -> list[RequestStream]:
-        """Add every prompt to the engine; on any refusal, abort the ones already added."""
+    async def start(self, requests: list[EngineCoreRequest], body: OpenAIRequest) -> list[RequestStream]:
+        """Add every prompt's request to the engine; on any refusal, abort the ones already added."""
         streams: list[RequestStream] = []
         try:
-            for i, ids in enumerate(prompts):
-                streams.append(await self.llm.add_request(f"{base_id}-{i}", ids, params, body.priority or 0))
+            for request in requests:
+                streams.append(await self.llm.add_request(request.request_id, request))
         except BaseException as exc:
             for s in streams:
                 s.abort()
@@ -402,12 +415,15 @@ class OpenAIServing:
                 f"{self.scheduling_policy}",
                 param="priority",
             )
-        params, prompts, echoes = await asyncio.get_running_loop().run_in_executor(self.executor, self.prepare, body)
         chat = isinstance(body, ChatCompletionRequest)
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{body.request_id}" if body.request_id else random_id(prefix)
-        streams = await self.start(request_id, prompts, params, body)
-        states = [PromptState(ids, None if echoes is None else echoes[i]) for i, ids in enumerate(prompts)]
+        loop = asyncio.get_running_loop()
+        params, requests, echoes = await loop.run_in_executor(self.executor, self.prepare, body, request_id)
+        streams = await self.start(requests, body)
+        states = [
+            PromptState(r.prompt_token_ids, None if echoes is None else echoes[i]) for i, r in enumerate(requests)
+        ]
         renderer = self.logprobs_renderer(body)
         echo_only = isinstance(body, CompletionRequest) and body.echo_only
         choices = Choices.build(states, params.n, echo_only, echoes is not None and renderer is not None)
@@ -418,7 +434,6 @@ class OpenAIServing:
             return StreamingResponse(events, media_type="text/event-stream")
         await collect_or_abort(raw, streams, choices.update)
         scored = params.prompt_logprobs is not None
-        loop = asyncio.get_running_loop()
         content = await loop.run_in_executor(self.executor, render_response, header, choices, renderer, chat, scored)
         return Response(content, media_type="application/json")
 
@@ -444,13 +459,15 @@ class OpenAIServing:
             return sse(chunk)
 
         def render(prompt_index: int, out: RequestOutput) -> str | None:
-            i = choices.update(prompt_index, out)
-            c = choices.items[i]
-            if not out.finished and not (out.new_text and c.ready):
-                return None
-            text, ids, entries, offset = c.take()
-            content = {"delta": {"content": text} if text else {}} if chat else {"text": text}
-            return event(i, content, render_logprobs(renderer, chat, ids, entries, offset))
+            events = []
+            for i, completion in choices.update(prompt_index, out):
+                c = choices.items[i]
+                if not completion.finished() and not (completion.text and c.ready):
+                    continue
+                text, ids, entries, offset = c.take()
+                content = {"delta": {"content": text} if text else {}} if chat else {"text": text}
+                events.append(event(i, content, render_logprobs(renderer, chat, ids, entries, offset)))
+            return "".join(events) or None
 
         if chat:  # OpenAI's first chunk of each chat choice announces the role; content follows.
             for i in range(len(choices.items)):

@@ -15,12 +15,15 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from scheduler import Request, SchedulerOutput
+from block_manager import BlockManager
+from scheduler import Request, Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
-    from vllm_from_scratch.engine import LLMEngine, RequestOutput
+    from vllm_from_scratch.config import EngineConfig
+    from vllm_from_scratch.kv_connector import KVConnectorScheduler
+    from vllm_from_scratch.output_processor import OutputProcessorOutput
 
 SCHEMA = 1
 """Version of the record format; bumped when a field changes meaning or disappears."""
@@ -50,16 +53,26 @@ def work_kind(start: int, num_known: int, num_drafts: int, samples: bool, num_pr
     return "prefill"
 
 
+class TracedEngine(Protocol):
+    """What a :class:`StepTracer` reads of its engine (``LLMEngine``'s parts)."""
+
+    config: EngineConfig
+    block_manager: BlockManager
+    scheduler: Scheduler
+    kv_connector: KVConnectorScheduler | None
+
+
 class StepTracer:
     """Builds one record per engine step and hands it to every sink.
 
     Args:
-        engine: the :class:`vllm_from_scratch.engine.LLMEngine` to watch (read only).
+        engine: the engine to watch (read only): ``LLMEngine``, or anything with its
+            :class:`TracedEngine` parts.
         path: a JSON lines file to write; None for a tracer fed only to sinks added later (the
             server's /viz). With no sink a step costs one call that returns at once.
     """
 
-    def __init__(self, engine: LLMEngine, path: str | os.PathLike | None = None):
+    def __init__(self, engine: TracedEngine, path: str | os.PathLike | None = None):
         self.engine = engine
         self._sinks: tuple[Sink, ...] = ()
         self._t0 = time.perf_counter()
@@ -120,12 +133,13 @@ class StepTracer:
         self,
         sched: SchedulerOutput,
         sampled: dict[str, list[int]],
-        outputs: list[RequestOutput],
+        outputs: OutputProcessorOutput,
         start: float,
         duration: float,
     ) -> None:
         """Record the step that ran ``sched`` (a non-empty SchedulerOutput), sampled ``sampled``
-        and returned ``outputs`` (RequestOutputs); ``start`` is its ``time.perf_counter()``."""
+        and reported ``outputs`` (the output processor's, by the scheduler's request ids);
+        ``start`` is its ``time.perf_counter()``."""
         step = self._step
         self._step += 1
         if not self._sinks:
@@ -188,20 +202,16 @@ class StepTracer:
             "sampled": tokens,
         }
 
-    def _outputs(self, outputs: list[RequestOutput]) -> Record:
+    @staticmethod
+    def _outputs(outputs: OutputProcessorOutput) -> Record:
         """Text increments and the requests that finished (aborts are recorded apart)."""
-        outputs = [o for o in outputs if o.finish_reason != "abort"]
+        aborted = {rid for rid, c in outputs.finished.items() if c.finish_reason == "abort"}
         finished = [
-            {
-                "id": o.request_id,
-                "reason": o.finish_reason,
-                "completion_tokens": len(o.completion_token_ids),
-                "text": o.text,
-            }
-            for o in outputs
-            if o.finished
+            {"id": rid, "reason": c.finish_reason, "completion_tokens": len(c.token_ids), "text": c.text}
+            for rid, c in outputs.finished.items()
+            if rid not in aborted
         ]
-        return {"finished": finished, "text": {o.request_id: o.new_text for o in outputs if o.new_text}}
+        return {"finished": finished, "text": {rid: t for rid, t in outputs.new_text.items() if rid not in aborted}}
 
     def _snapshot(self, extra_new: Iterable = ()) -> Record:
         """The state the next step starts from: queues, block tables, the block pool."""

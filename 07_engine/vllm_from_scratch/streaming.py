@@ -2,7 +2,7 @@
 
 A completion with several prompts is several engine requests: :func:`merge_streams` interleaves
 their outputs (a request with ``n`` > 1 is one stream, its completions' outputs told apart by
-``RequestOutput.index``). Both the streamed (:func:`stream_events`) and the whole
+their ``CompletionOutput.index``). Both the streamed (:func:`stream_events`) and the whole
 (:func:`collect_or_abort`) response abort every engine request still running when the client
 goes away, so the engine frees its KV blocks at once instead of generating for nobody.
 """
@@ -20,7 +20,7 @@ from vllm_from_scratch.async_llm import EngineDeadError, RequestStream
 from vllm_from_scratch.openai_protocol import APIError, error_body
 
 if TYPE_CHECKING:
-    from vllm_from_scratch.engine import RequestOutput
+    from vllm_from_scratch.outputs import RequestOutput
 
 
 def sse(data: dict[str, Any] | str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_from_scratch.layers.attention import AttentionMetadata
+from attention_backends import AttentionMetadata
 
 
 def capture_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -1,6 +1,7 @@
 """The attention layer: store this step's K/V in the paged cache (chapter 01's ``store_kvcache``),
 then attend over it (chapter 02's ``paged_attention``, which picks flash-attn, Triton or torch by
-device). The batch arrives as an explicit :class:`AttentionMetadata`, not through a global.
+device). The batch arrives as chapter 02's :class:`AttentionMetadata` record, which chapter 06's
+batch builder made, passed down the model's forward: not through a global.
 
 Under ``torch.compile`` or ``torch.export`` the two calls are one opaque operator,
 :func:`unified_attention` (vLLM's name for the same thing): the kernels choose their path from the
@@ -13,39 +14,11 @@ decode's attention 0.01).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from attention_backends import paged_attention, select_backend
+from attention_backends import AttentionMetadata, paged_attention, select_backend
 from store_kvcache import store_kvcache
-
-
-@dataclass
-class AttentionMetadata:
-    """What attention needs to know about one batch of ``B`` requests and ``T`` new tokens.
-
-    Attributes:
-        slot_mapping: ``[T]`` cache slot of each new token (-1: do not store).
-        cu_seqlens_q: ``[B+1]`` int32 offsets of each request's new tokens in the batch.
-        seq_lens_k: ``[B]`` int32 tokens each request attends to (cached + new).
-        block_tables: ``[B, max_blocks]`` int32 physical blocks of each request (padded).
-        max_seqlen_q / max_seqlen_k: the largest of each (flash-attn wants them as ints).
-        is_decode: every request brings exactly one token, so the decode kernel applies.
-        kv_cache: the whole ``[2, layers, blocks, block_size, kv_heads, head_dim]`` cache when a
-            compiled forward takes it as an input (``compilation.py``); None in an eager forward,
-            where each layer uses the slices bound to it.
-    """
-
-    slot_mapping: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    seq_lens_k: torch.Tensor
-    block_tables: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-    is_decode: bool
-    kv_cache: torch.Tensor | None = None
 
 
 def store_and_attend(
@@ -54,29 +27,13 @@ def store_and_attend(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens_k: torch.Tensor,
-    block_tables: torch.Tensor,
+    attn_metadata: AttentionMetadata,
     scale: float,
     backend: str,
-    max_seqlen_q: int,
-    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
     """Write ``k``/``v`` (``[T, kv_heads, head_dim]``) to their slots, then attend with ``q``."""
-    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
-    return paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        seq_lens_k,
-        block_tables,
-        scale,
-        max_seqlen_q=max_seqlen_q,
-        backend=backend,
-        max_seqlen_k=max_seqlen_k,
-    )
+    store_kvcache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+    return paged_attention(q, k_cache, v_cache, attn_metadata, scale, backend)
 
 
 @torch.library.custom_op("vllm_fs::unified_attention", mutates_args=("kv_cache",))
@@ -86,37 +43,24 @@ def unified_attention(
     v: torch.Tensor,
     kv_cache: torch.Tensor,
     layer_index: int,
-    slot_mapping: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens_k: torch.Tensor,
-    block_tables: torch.Tensor,
+    batch: list[torch.Tensor],
     scale: float,
     backend: str,
 ) -> torch.Tensor:
     """:func:`store_and_attend` as one operator a compiled graph calls without looking inside.
 
-    It takes the whole KV cache (``[2, layers, ...]``) and this layer's index rather than the
+    An operator takes tensors, not a record: ``batch`` is :meth:`AttentionMetadata.tensors`. It
+    takes the whole KV cache (``[2, layers, ...]``) and this layer's index rather than the
     layer's two views of it: the graph then sees one input written in place, not two aliases of
     it per layer (which ``torch.export`` would copy back into the cache, and not all of them).
     No integer of the batch is an argument (it would be baked into the graph): the shape says
     what they would, since every request brings one token exactly when there are as many tokens
     as requests, and the token count bounds any request's share of them.
     """
-    is_decode = q.shape[0] == block_tables.shape[0]
-    return store_and_attend(
-        q,
-        k,
-        v,
-        kv_cache[0, layer_index],
-        kv_cache[1, layer_index],
-        slot_mapping,
-        cu_seqlens_q,
-        seq_lens_k,
-        block_tables,
-        scale,
-        backend,
-        max_seqlen_q=1 if is_decode else q.shape[0],
-    )
+    md = AttentionMetadata.from_tensors(batch, max_seqlen_q=q.shape[0])
+    if q.shape[0] == md.block_tables.shape[0]:
+        md.max_seqlen_q = 1  # one token per request: a decode
+    return store_and_attend(q, k, v, kv_cache[0, layer_index], kv_cache[1, layer_index], md, scale, backend)
 
 
 @unified_attention.register_fake
@@ -151,17 +95,13 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.k_cache.numel() == 0:
             raise RuntimeError("the KV cache is not allocated: ModelRunner.allocate_kv_cache() binds it")
-        batch = (md.slot_mapping, md.cu_seqlens_q, md.seq_lens_k, md.block_tables)
-        if torch.compiler.is_compiling():
-            if md.kv_cache is None:
-                raise RuntimeError("a compiled forward takes the whole KV cache in AttentionMetadata.kv_cache")
-            if select_backend(q, self.k_cache, self.backend) == "cpp":  # the same step in C++: no Python per layer
-                o = torch.ops.vllm_fs_cpu.store_and_attend(q, k, v, md.kv_cache, self.layer_index, *batch, self.scale)
-            else:
-                o = unified_attention(q, k, v, md.kv_cache, self.layer_index, *batch, self.scale, self.backend)
+        if not torch.compiler.is_compiling():
+            o = store_and_attend(q, k, v, self.k_cache, self.v_cache, md, self.scale, self.backend)
+        elif md.kv_cache is None:
+            raise RuntimeError("a compiled forward takes the whole KV cache in AttentionMetadata.kv_cache")
+        elif select_backend(q, self.k_cache, self.backend) == "cpp":  # the same step in C++: no Python per layer
+            batch = md.tensors()
+            o = torch.ops.vllm_fs_cpu.store_and_attend(q, k, v, md.kv_cache, self.layer_index, *batch, self.scale)
         else:
-            max_seqlen_q = 1 if md.is_decode else md.max_seqlen_q
-            o = store_and_attend(
-                q, k, v, self.k_cache, self.v_cache, *batch, self.scale, self.backend, max_seqlen_q, md.max_seqlen_k
-            )
+            o = unified_attention(q, k, v, md.kv_cache, self.layer_index, md.tensors(), self.scale, self.backend)
         return o.reshape(-1, self.num_heads * self.head_dim)

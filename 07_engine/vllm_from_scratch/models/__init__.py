@@ -41,7 +41,7 @@ def register_model(architecture: str, cls: type[nn.Module] | str) -> None:
     * ``__init__(config, tp_rank=0, tp_size=1, tp_group=None)``: rank ``tp_rank``'s layers for the
       checkpoint's transformers config, built in the current default dtype and device;
     * ``forward(input_ids, positions, attn_metadata)``: ``[T]`` ids and positions and an
-      :class:`~vllm_from_scratch.layers.attention.AttentionMetadata` in, ``[T, hidden_size]`` out;
+      :class:`attention_backends.AttentionMetadata` in, ``[T, hidden_size]`` out;
     * ``compute_logits(hidden_states)``: the LM head on the rows that sample (``None`` on ranks
       other than 0);
     * ``packed_modules_mapping``: checkpoint module name → ``(fused module, shard id)``, such as

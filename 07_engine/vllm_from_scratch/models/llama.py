@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from attention_backends import AttentionMetadata
 from vllm_from_scratch.layers.activation import SiluAndMul
-from vllm_from_scratch.layers.attention import Attention, AttentionMetadata
+from vllm_from_scratch.layers.attention import Attention
 from vllm_from_scratch.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from vllm_from_scratch.layers.layernorm import RMSNorm
 from vllm_from_scratch.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, TPArgs

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import LlamaConfig
 
-from vllm_from_scratch.layers.attention import AttentionMetadata
+from attention_backends import AttentionMetadata
 from vllm_from_scratch.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 if TYPE_CHECKING:

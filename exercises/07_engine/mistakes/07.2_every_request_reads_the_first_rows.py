@@ -1,15 +1,11 @@
 import torch
 
-from vllm_from_scratch.model_runner import Sampler, num_accepted_tokens, pad_draft_token_ids
+from vllm_from_scratch.spec_decoding import Sampler, num_accepted_tokens, pad_draft_token_ids
 
 
-def verify_drafts(self, logits, sampling, info):
+def verify_drafts(self, logits, sampling_metadata, draft_token_ids):
     """Reads every request's target rows from row 0, not from its own offset in the flat logits."""
-    drafts = [
-        info.merge_prompt[idx + last - k + 1 : idx + last + 1]
-        for idx, last, k in zip(info.chunk_idx, info.last_pos, info.num_spec)
-        if last >= 0
-    ]
+    sampling, drafts = sampling_metadata, draft_token_ids
     num_spec = torch.tensor([len(d) for d in drafts], device=logits.device)
     K = int(num_spec.max())
     probs = Sampler.compute_probs(logits, sampling.temperatures, sampling.top_ks, sampling.top_ps)

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 
 from vllm_from_scratch.step_trace import Record, StepTracer
-from vllm_from_scratch.viz import render_page
+from vllm_from_scratch.tools.viz import render_page
 
 if TYPE_CHECKING:
     from vllm_from_scratch.engine import LLMEngine

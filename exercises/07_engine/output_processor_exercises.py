@@ -1,4 +1,4 @@
-"""Exercise 07.5 of 07_engine: your versions of vllm_from_scratch/engine.py.
+"""Exercise 07.5 of 07_engine: your versions of vllm_from_scratch/output_processor.py.
 
 Replace each `raise NotImplementedError(...)` with your code, then run
 `pytest 07_engine/ --impl=student` (or `--exercise ID` for one exercise). The tests are

@@ -1,7 +1,7 @@
 """The classroom viewer: a step trace in, one self-contained HTML page out (and a Perfetto file).
 
-    python -m vllm_from_scratch.viz TRACE.jsonl -o TRACE.html
-    python -m vllm_from_scratch.viz TRACE.jsonl --chrome-trace TRACE.perfetto.json --check
+    python -m vllm_from_scratch.tools.viz TRACE.jsonl -o TRACE.html
+    python -m vllm_from_scratch.tools.viz TRACE.jsonl --chrome-trace TRACE.perfetto.json --check
 
 The page inlines its assets (``viz_page.html``/``.css``/``.js`` beside this file), so it opens
 offline; the server's ``/viz`` serves it fed live (:mod:`viz_server`). What the page and the
@@ -23,7 +23,7 @@ from vllm_from_scratch.step_trace import Record, TraceError, check_trace, read_t
 
 # ---------------------------------------------------------------------------- the page
 def _asset(name: str) -> str:
-    return resources.files("vllm_from_scratch").joinpath(name).read_text(encoding="utf-8")
+    return resources.files("vllm_from_scratch.tools").joinpath(name).read_text(encoding="utf-8")
 
 
 def _script_json(value: Any) -> str:
@@ -194,7 +194,7 @@ def trace_scenario(
                 prompt = str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
                 params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
                 engine.add_request(prompt, params, request_id=f"req-{i}", priority=a.priority)
-            texts.update((o.request_id, o.text) for o in engine.step() if o.finished)
+            texts.update((o.request_id, o.outputs[0].text) for o in engine.step() if o.finished)
             step += 1
     finally:
         engine.shutdown()
@@ -213,7 +213,7 @@ def demo_trace(path: str | Path, arrivals: list[Arrival], **engine_kwargs: Any) 
     )
     for rid, text in sorted(texts.items(), key=lambda item: int(item[0].split("-")[1])):
         print(f"  {rid}: {prompts[rid]} prompt tokens -> {text[:60]!r}{'...' if len(text) > 60 else ''}")
-    print(f"view it: python -m vllm_from_scratch.viz {path} -o {Path(path).with_suffix('.html')}")
+    print(f"view it: python -m vllm_from_scratch.tools.viz {path} -o {Path(path).with_suffix('.html')}")
 
 
 def add_trace_argument(parser: argparse.ArgumentParser) -> None:
@@ -230,7 +230,7 @@ def add_trace_argument(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit code (2: an unreadable trace, 1: a broken invariant)."""
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_from_scratch.viz",
+        prog="python -m vllm_from_scratch.tools.viz",
         description="Turn an engine step trace (EngineConfig.step_trace, --step-trace, or a chapter demo's "
         "--trace) into a self-contained HTML viewer, and optionally a Chrome/Perfetto trace.",
     )

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation: one OpenAI endpoint in front of prefill and decode instances.
 
-    python -m vllm_from_scratch.disagg_proxy --prefill http://HOST:8100 --decode http://HOST:8200 --port 8000
+    python -m vllm_from_scratch.tools.disagg_proxy --prefill http://HOST:8100 --decode http://HOST:8200 --port 8000
 
 Each completion first goes to a *prefill* instance with ``max_tokens=1``: it computes the
 prompt's K/V and publishes every full block to the global KV pool (``kv_role`` "kv_producer").
