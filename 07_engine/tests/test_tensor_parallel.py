@@ -415,35 +415,22 @@ def test_no_orphans_when_the_parent_exits_or_is_killed(how, tmp_path):
             parent.wait()
 
 
-def test_requests_travel_to_workers_without_tokenizer_or_generator():
-    """A request is pickled to every worker every step: its tokenizer (through the
-    detokenizer) and seeded generator must stay behind on rank 0, untouched."""
+def test_requests_travel_to_workers_without_generator():
+    """A request is pickled to every worker every step: the core's request holds no tokenizer
+    (text is the output processor's, on rank 0) and its seeded generator stays behind."""
     import pickle
 
     from vllm_from_scratch.engine import EngineRequest
+    from vllm_from_scratch.input_processor import EngineCoreRequest
     from vllm_from_scratch.sampling_params import SamplingParams
 
-    class HeavyTokenizer:  # stands in for a Hugging Face tokenizer: megabytes of vocabulary
-        blob = b"x" * 2**20
-
-        def __init__(self):
-            self.blob = HeavyTokenizer.blob
-
-    req = EngineRequest(
-        "r0",
-        [5, 6, 7],
-        SamplingParams(seed=3),
-        max_tokens=4,
-        eos_token_ids=[2],
-        block_size=8,
-        tokenizer=HeavyTokenizer(),
-    )
+    core_request = EngineCoreRequest("r0", "a prompt", [5, 6, 7], SamplingParams(seed=3, max_tokens=4))
+    req = EngineRequest(core_request, eos_token_ids=[2], block_size=8)
     payload = pickle.dumps(req)
     assert len(payload) < 4096
     copy = pickle.loads(payload)
-    assert copy.detokenizer is None and copy.generator is None
+    assert copy.generator is None and req.generator is not None
     assert copy.token_ids == req.token_ids and copy.block_table == req.block_table
-    assert req.detokenizer is not None and req.generator is not None
 
 
 # ---- the engine with tensor_parallel_size=2 -------------------------------------------------
