@@ -315,3 +315,201 @@ def run_random_workload(
         stopped_on_eos = expected[-1] == EOS and not req.ignore_eos
         assert req.status == (RequestStatus.FINISHED_STOPPED if stopped_on_eos else RequestStatus.FINISHED_LENGTH)
     return res
+
+
+# ─────────────────────────────────────────────────────────────────────────────────────────────
+# Two schedulers side by side: the differential tests of the scheduling exercises
+# ─────────────────────────────────────────────────────────────────────────────────────────────
+
+
+class PlannedConnector:
+    """A global KV pool whose answers are drawn up front, per request: so two schedulers asked
+    in the same order get the same answers (:class:`FakeConnector` draws as it is asked).
+
+    ``plan[request_id]`` is how many more blocks the pool holds, or ``"wait"``: the first time
+    the request is asked about while another load is pending, "ask again next step" (None).
+    """
+
+    def __init__(self, plan: dict[str, int | str], block_size: int):
+        self.plan = plan
+        self.block_size = block_size
+        self.pending: dict[str, tuple[Request, int]] = {}
+        self.waited: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        planned = self.plan.get(request.request_id, 0)
+        if planned == "wait":
+            if self.pending and request.request_id not in self.waited:
+                self.waited.add(request.request_id)
+                return None
+            planned = 1
+        max_blocks = (request.num_tokens - 1) // self.block_size - num_computed_tokens // self.block_size
+        return max(0, min(int(planned), max_blocks)) * self.block_size
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        self.pending[request.request_id] = (request, num_external_tokens)
+
+    def request_finished(self, request: Request) -> None:
+        self.pending.pop(request.request_id, None)
+
+    def load(self, model: FakeModel, delivered: dict[str, int]) -> dict[str, int]:
+        """``delivered[rid]`` of the promised blocks arrive (more is capped to the promise)."""
+        loaded = {}
+        for rid, (req, promised) in self.pending.items():
+            n = min(delivered.get(rid, 0), promised // self.block_size) * self.block_size
+            start = req.num_computed_tokens
+            for p, slot in zip(range(start, start + n), model.bm.slot_mapping(req, start, start + n)):
+                model.kv[slot] = (req.token_ids[p], p)
+            loaded[rid] = n
+        self.pending = {}
+        return loaded
+
+
+def scheduler_state(sched: Scheduler) -> dict:
+    """What two schedulers fed the same workload must agree on after every step."""
+    reqs = sorted(sched.requests.values(), key=lambda r: r.request_id)
+    return {
+        "running": [r.request_id for r in sched.running],
+        "waiting": [r.request_id for r in sched.waiting],
+        "loading": list(sched.loading),
+        "requests (status, computed, cached, blocks, preemptions)": {
+            r.request_id: (
+                r.status.name,
+                r.num_computed_tokens,
+                r.num_cached_tokens,
+                list(r.block_table),
+                r.num_preemptions,
+            )
+            for r in reqs
+        },  # fmt: skip
+        "free blocks": list(sched.block_manager.free_block_ids),
+        "preemptions": sched.num_preemptions,
+    }
+
+
+def step_summary(out: SchedulerOutput) -> dict:
+    """One schedule() call's decisions, as plain values."""
+    return {
+        "scheduled tokens": {r.request_id: out.num_scheduled_tokens[r.request_id] for r in out.scheduled_requests},
+        "first positions": {r.request_id: out.num_computed_tokens[r.request_id] for r in out.scheduled_requests},
+        "drafts": dict(out.scheduled_spec_decode_tokens),
+        "preempted": [r.request_id for r in out.preempted_requests],
+        "admitted": list(out.admitted_request_ids),
+        "sampling": sorted(out.sampling_request_ids),
+    }
+
+
+def run_in_lockstep(
+    yours: Callable[..., Scheduler],
+    book: Callable[..., Scheduler],
+    rng: random.Random,
+    differential,
+    meaning: str,
+    *,
+    chunked: bool = False,
+    max_steps: int = 80,
+) -> None:
+    """Feed two schedulers one random workload, step by step, and compare them after each.
+
+    ``yours(**kwargs)`` and ``book(**kwargs)`` build the two schedulers, from the same arguments
+    and each with its own block manager. ``rng`` draws everything (a ``random.Random``,
+    or Hypothesis's): cache size from "one request barely fits" up, budget, ``max_num_seqs``,
+    policy, prefix caching, a global pool's answers, prompts sharing prefixes, arrivals, priorities,
+    ``max_tokens``, EOS, drafts, aborts; every choice that depends on the state reads the book's.
+    After each step ``differential`` (the fixture of exercises/differential.py) compares what the
+    step decided on each side, or the exception it raised, and both schedulers' states,
+    and fails on the first difference, with the workload so far and ``meaning``.
+    """
+    from prefix_block_manager import PrefixCachingBlockManager
+
+    vocab, bs = rng.choice([16, 40]), rng.choice([1, 2, 4])
+    max_prompt, max_out = rng.randint(1, 20), rng.randint(1, 12)
+    longest = max_prompt + max_out - 1
+    # Tight caches and several requests at once: preemption, a waiting queue, a head that does not
+    # fit while a smaller request behind it would are what the scheduling rules are about.
+    num_blocks = cdiv(longest, bs) + rng.choice([0, 1, 2, 4, 10])
+    # Without chunking a request's prompt plus max_tokens - 1 must fit the budget: drawn below to fit.
+    budget = rng.randint(1, 2 * longest) if chunked else rng.randint(max_prompt, 2 * longest)
+    prefix_caching, remote = rng.random() < 0.5, rng.random() < 0.3
+    params = dict(
+        max_num_seqs=rng.randint(1, 6),
+        max_num_batched_tokens=budget,
+        num_gpu_blocks=num_blocks,
+        policy=rng.choice(["fcfs", "priority"]),
+        block_size=bs,
+    )
+    if chunked:
+        params["long_prefill_token_threshold"] = rng.choice([None, rng.randint(1, 8)])
+    base = [rng.randrange(1, vocab) for _ in range(max_prompt)]
+    specs = []
+    for i in range(rng.randint(2, 8)):
+        n = rng.randint(1, max_prompt)
+        shared = rng.randint(0, n) if rng.random() < 0.6 else 0
+        prompt = base[:shared] + [rng.randrange(1, vocab) for _ in range(n - shared)]
+        max_tokens = rng.randint(1, max_out if chunked else min(max_out, budget - n + 1))
+        specs.append((f"r{i}", prompt, max_tokens, rng.randint(0, 3), float(rng.randint(0, 3)),
+                      rng.random() < 0.3, rng.choice([0, 0, 1, rng.randint(0, 8)])))  # fmt: skip
+    answers: list[int | str] = [0, 0, 1, 2, "wait"]
+    plan = {str(s[0]): rng.choice(answers) for s in specs}
+    sides: list[dict] = []
+    for _ in range(2):
+        bm = (PrefixCachingBlockManager if prefix_caching else BlockManager)(num_blocks, bs)
+        connector = PlannedConnector(plan, bs) if remote else None
+        sides.append(dict(bm=bm, connector=connector, model=FakeModel(bm, vocab), requests={}))
+    for side, make in zip(sides, (yours, book)):
+        side["sched"] = make(**params, block_manager=side["bm"], kv_connector=side["connector"])
+    history = [f"{'chunked ' if chunked else ''}scheduler {params}, prefix caching {prefix_caching}, pool {remote}"]
+    p_abort, p_draft = rng.choice([0.0, 0.05, 0.15]), rng.choice([0.0, 0.5])
+
+    def step(side: dict, arrivals: list, abort: str | None, drafts: dict, delivered: dict, late_abort: str | None):
+        sched, model = side["sched"], side["model"]
+        for rid, prompt, max_tokens, priority, arrival, ignore_eos, _ in arrivals:
+            req = Request(rid, prompt, max_tokens=max_tokens, priority=priority, arrival_time=arrival,
+                          eos_token_id=EOS, ignore_eos=ignore_eos, block_size=bs)  # fmt: skip
+            side["requests"][rid] = req
+            sched.add_request(req)
+        if abort is not None:
+            sched.abort_request(abort)
+        if side["connector"] is not None:
+            sched.finish_remote_loads(side["connector"].load(model, delivered))
+        for rid, tokens in drafts.items():
+            side["requests"][rid].spec_token_ids = list(tokens)
+        out = sched.schedule()
+        summary = step_summary(out)
+        sampled = model.execute(out)
+        if late_abort is not None:
+            sched.abort_request(late_abort)
+        finished = sched.update_from_output(out, sampled)
+        sched.check_invariants()
+        summary["finished"] = sorted(r.request_id for r in finished)
+        return summary
+
+    step_no = 0
+    reference = sides[1]["sched"]
+    while step_no <= max(s[6] for s in specs) or reference.has_requests():
+        if step_no >= max_steps:
+            break
+        arrivals = [s for s in specs if s[6] == step_no]
+        abort = rng.choice(sorted(reference.requests)) if reference.requests and rng.random() < p_abort else None
+        drafts = {}
+        for req in reference.running:
+            if rng.random() < p_draft and req.is_decoding:
+                truth = true_completion(req.token_ids, 3, vocab, ignore_eos=True)
+                drafts[req.request_id] = [t if rng.random() < 0.7 else rng.randrange(vocab) for t in truth]
+        pending = sides[1]["connector"].pending if remote else {}
+        delivered = {rid: rng.randint(0, promised // bs) for rid, (_, promised) in sorted(pending.items())}
+        late_abort = rng.choice(sorted(reference.requests)) if reference.requests and rng.random() < p_abort else None
+        history.append(
+            f"step {step_no}: arrive {[a[0] for a in arrivals]}, abort {abort}, drafts {drafts}, "
+            f"pool delivers {delivered}, abort after schedule {late_abort}"
+        )
+        outcomes = [differential.call(step, side, arrivals, abort, drafts, delivered, late_abort) for side in sides]
+        differential.agree(
+            "\n  ".join(history[:1] + history[-4:]),
+            *outcomes,
+            meaning=meaning,
+            state=(scheduler_state(sides[0]["sched"]), scheduler_state(reference)),
+        )
+        if outcomes[1].error is not None:
+            raise outcomes[1].error
+        step_no += 1

@@ -428,6 +428,29 @@ def test_prefix_hits_count_as_computed_and_last_token_is_recomputed():
     assert bm.all_blocks_free()
 
 
+def test_a_readmission_keeps_the_cached_tokens_of_the_first_admission():
+    """num_cached_tokens is what the prefix cache saved a request when it was first admitted: back
+    after a preemption, it re-hits blocks it computed itself, which saves nothing new."""
+    bm = PrefixCachingBlockManager(6, BS)
+    s = Scheduler(4, 64, 6, block_size=BS, block_manager=bm)
+    s.add_request(Request("c", list(range(100, 105)), max_tokens=1, block_size=BS))
+    step(s)  # c leaves its first block [100..103] in the cache
+    s.add_request(Request("a", list(range(8)), max_tokens=7, block_size=BS))
+    s.add_request(Request("b", list(range(100, 108)), max_tokens=7, block_size=BS))
+    out, _ = step(s)
+    b = s.requests["b"]
+    assert out.num_computed_tokens["b"] == 4 and b.num_cached_tokens == 4  # c's block was a hit
+    while b.num_preemptions == 0:  # a and b decode until the cache runs out and b, the newer, goes
+        step(s)
+    while b.status != RequestStatus.RUNNING:
+        out, _ = step(s)
+    assert out.num_computed_tokens["b"] == 8, "back in, b hits both of its prompt's blocks"
+    assert b.num_cached_tokens == 4, (
+        f"b's num_cached_tokens became {b.num_cached_tokens} on its re-admission: only a request's first "
+        "admission (num_preemptions == 0) sets it; its own blocks found again are no cache saving"
+    )
+
+
 def test_preempted_request_resumes_with_prefix_hits():
     bm = PrefixCachingBlockManager(5, BS)
     s = Scheduler(4, 64, 5, block_size=BS, block_manager=bm)

@@ -39,11 +39,19 @@ def _hist(tokens: torch.Tensor) -> torch.Tensor:
     return torch.bincount(tokens, minlength=VOCAB).double() / tokens.numel()
 
 
-@pytest.fixture(scope="module", params=[0, 1])
+_SAMPLED: dict[tuple[int, object], tuple] = {}
+
+
+@pytest.fixture(params=[0, 1])
 def sampled(request):
-    p, q, refs, g = _distributions(request.param)
-    draft, out = _run(p, q, NUM_ROWS, g)
-    return p, q, refs, draft, out
+    """The large sample, drawn once per seed and per rejection sampler in place: a module-wide
+    fixture would be built with the book's sampler, whatever sampler the test runs with."""
+    key = (request.param, rejection_sample)
+    if key not in _SAMPLED:
+        p, q, refs, g = _distributions(request.param)
+        draft, out = _run(p, q, NUM_ROWS, g)
+        _SAMPLED[key] = p, q, refs, draft, out
+    return _SAMPLED[key]
 
 
 def test_emitted_tokens_converge_to_target_faster_than_to_references(sampled):

@@ -69,7 +69,8 @@ def test_chunked_prefill_matches_full_prefill_with_decodes_in_the_batch(model):
     assert mixed >= 3  # the long prompt really went in chunks next to decoding requests
     assert err_whole < 1e-4 and err_chunked < 1e-4, (
         f"logits differ from a dense forward by {err_whole:.2g} (whole prompts) and {err_chunked:.2g} (chunks): "
-        "the varlen inputs put a token at the wrong position, row range (cu_seqlens_q) or cache slot"
+        "the batch inputs put a token at the wrong position, row range (cu_seqlens_q), key count (seq_lens_k) or "
+        "cache slot (slot_mapping, block_tables), or sampled the logits of the wrong rows (logits_indices)"
     )
     assert chunked == whole
     for r in requests():

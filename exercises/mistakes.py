@@ -31,19 +31,20 @@ MISTAKES_DIR = "mistakes"
 
 
 @dataclass(frozen=True)
-class Mistake:
-    """One catalogued wrong answer to ``exercise``, in the file ``path``."""
+class Answer:
+    """One catalogued answer to ``exercise``, in the file ``path``: a wrong one (``mistakes/``), or
+    one that follows the exercise's hint to the letter (``hints/``, see hints.py)."""
 
     exercise: ep.Exercise
     path: Path
 
     @property
     def name(self) -> str:
-        return f"{self.exercise.chapter}/{MISTAKES_DIR}/{self.path.name}"
+        return f"{self.exercise.chapter}/{self.path.parent.name}/{self.path.name}"
 
     @property
-    def misconception(self) -> str:
-        """The docstring's line: what the wrong answer believes."""
+    def summary(self) -> str:
+        """The docstring's line: what the wrong answer believes, or what of the hint it follows."""
         fn = self.function_node()
         return (ast.get_docstring(fn) or "").strip() if fn else ""
 
@@ -55,21 +56,22 @@ class Mistake:
         return None
 
 
-def load_mistakes(exercises_dir: Path = ep.EXERCISES_DIR) -> list[Mistake]:
-    """Every catalogued mistake, in exercise order; a file whose id names no exercise is an error."""
+def load_mistakes(exercises_dir: Path = ep.EXERCISES_DIR, folder: str = MISTAKES_DIR) -> list[Answer]:
+    """Every catalogued answer in ``<chapter>/<folder>/``, in exercise order; a file whose id names
+    no exercise is an error."""
     exercises = {ex.id: ex for ex in ep.load_exercises(exercises_dir)}
     found = []
-    for path in sorted(Path(exercises_dir).glob(f"*/{MISTAKES_DIR}/*.py")):
+    for path in sorted(Path(exercises_dir).glob(f"*/{folder}/*.py")):
         ex_id = path.stem.split("_", 1)[0]
         ex = exercises.get(ex_id)
         if ex is None or ex.chapter != path.parent.parent.name:
             raise ValueError(f"{path}: its name must start with an exercise id of {path.parent.parent.name}")
-        found.append(Mistake(ex, path))
+        found.append(Answer(ex, path))
     order = list(exercises)
     return sorted(found, key=lambda m: (order.index(m.exercise.id), m.path.name))
 
 
-def plant(stub_text: str, mistake: Mistake, defined: set[str]) -> str:
+def plant(stub_text: str, mistake: Answer, defined: set[str]) -> str:
     """``stub_text`` (a stub file) with ``mistake``'s function defined last, so it wins.
 
     The mistake's own imports of names the stub file defines are dropped: they would put the
@@ -88,9 +90,9 @@ def plant(stub_text: str, mistake: Mistake, defined: set[str]) -> str:
     return stub_text + f"\n\n# Planted: {mistake.name}\n" + "\n\n".join(kept) + "\n"
 
 
-def rounds(mistakes: list[Mistake]) -> list[list[Mistake]]:
+def rounds(mistakes: list[Answer]) -> list[list[Answer]]:
     """Round ``r`` holds the ``r``-th mistake of every exercise that has one."""
-    per_exercise: dict[str, list[Mistake]] = {}
+    per_exercise: dict[str, list[Answer]] = {}
     for m in mistakes:
         per_exercise.setdefault(m.exercise.id, []).append(m)
     depth = max((len(ms) for ms in per_exercise.values()), default=0)
@@ -102,8 +104,11 @@ def answer_key(chapters: list[str] | None = None) -> dict[Path, str]:
     return make_stubs.expected_files(solutions=True, chapters=chapters)
 
 
-def grade_round(batch: list[Mistake], key: dict[Path, str], workdir: Path) -> list[tuple[Mistake, grade.ExerciseScore]]:
-    """Plant ``batch`` (at most one mistake per exercise) into the answer key and grade them."""
+def grade_round(
+    batch: list[Answer], key: dict[Path, str], workdir: Path, graded_by: str = "both", draw: str | None = None
+) -> list[tuple[Answer, grade.ExerciseScore]]:
+    """Plant ``batch`` (at most one mistake per exercise) into the answer key and grade them on
+    their own tests (``graded_by``: both kinds, or only the hand-written or differential ones)."""
     files = dict(key)
     all_exercises = ep.load_exercises()
     for m in batch:
@@ -117,31 +122,74 @@ def grade_round(batch: list[Mistake], key: dict[Path, str], workdir: Path) -> li
     for rel, text in files.items():
         (workdir / rel).parent.mkdir(parents=True, exist_ok=True)
         (workdir / rel).write_text(text)
-    scores = {s.id: s for s in grade.grade("student", exercises_dir=workdir, ids=[m.exercise.id for m in batch])}
+    ids = [m.exercise.id for m in batch]
+    scores = {s.id: s for s in grade.grade("student", exercises_dir=workdir, ids=ids, graded_by=graded_by, draw=draw)}
     return [(m, scores[m.exercise.id]) for m in batch]
 
 
-def check(chapters: list[str] | None = None) -> list[tuple[Mistake, grade.ExerciseScore]]:
-    """Grade every catalogued mistake of ``chapters``; each result should be below full marks."""
-    mistakes = [m for m in load_mistakes() if not chapters or m.exercise.chapter in chapters]
+def check(
+    chapters: list[str] | None = None, graded_by: str = "both", draw: str | None = None, folder: str = MISTAKES_DIR
+) -> list[tuple[Answer, grade.ExerciseScore]]:
+    """Grade every catalogued answer of ``chapters`` (in ``folder``): a mistake must lose marks."""
+    mistakes = [m for m in load_mistakes(folder=folder) if not chapters or m.exercise.chapter in chapters]
     key = answer_key(sorted({m.exercise.chapter for m in mistakes}))
     results = []
     for r, batch in enumerate(rounds(mistakes)):
         with tempfile.TemporaryDirectory(prefix=f"mistakes-round{r}-") as tmp:
-            results += grade_round(batch, key, Path(tmp))
+            results += grade_round(batch, key, Path(tmp), graded_by, draw)
     return sorted(results, key=lambda result: mistakes.index(result[0]))
+
+
+def caught_by(m: Answer, s: grade.ExerciseScore) -> dict[str, bool]:
+    """Which kinds of the exercise's own tests fail with the mistake planted."""
+    failed = [t.nodeid for t in s.tests if t.outcome != "passed"]
+    return {
+        "differential": any(m.exercise.selects(n, "differential") for n in failed),
+        "hand-written": any(m.exercise.selects(n, "handwritten") for n in failed),
+    }
+
+
+def _figure(name: str, caught: int, total: int) -> str:
+    return f"{name}: {caught}/{total} caught ({100 * caught / total:.1f} %)" if total else f"{name}: no mistakes"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chapter", action="append", help="only this chapter (repeatable)")
+    parser.add_argument(
+        "--compare-draws",
+        action="store_true",
+        help="also grade the differential tests alone with each other way of drawing inputs "
+        f"({', '.join(ep.harness.DRAWS)}) and print their figures",
+    )
     args = parser.parse_args(argv)
+    draw = ep.harness.draw_from(None)
+    results = check(args.chapter)
     missed = 0
-    for m, s in check(args.chapter):
+    counts = {"differential": 0, "hand-written": 0}
+    for m, s in results:
         caught = s.total > 0 and s.passed < s.total
         missed += not caught
+        kinds = caught_by(m, s)
+        for kind, hit in kinds.items():
+            counts[kind] += hit
+        by = ", ".join(k for k, hit in kinds.items() if hit) or "nothing"
         verdict = f"caught {s.passed}/{s.total}" if caught else f"MISSED {s.passed}/{s.total}"
-        print(f"{verdict:<14} {m.name}: {m.misconception}")
+        print(f"{verdict:<14} by {by:<28} {m.name}: {m.summary}")
+    total = len(results)
+    print()
+    print(_figure(f"differential tests alone ({draw} draws)", counts["differential"], total))
+    print(_figure("hand-written tests alone", counts["hand-written"], total))
+    print(_figure("all of an exercise's own tests", total - missed, total))
+    if args.compare_draws:
+        first = {m.path: caught_by(m, s)["differential"] for m, s in results}
+        for other in (d for d in ep.harness.DRAWS if d != draw):
+            alone = check(args.chapter, graded_by="differential", draw=other)
+            hits = sum(s.total > 0 and s.passed < s.total for _, s in alone)
+            print(_figure(f"differential tests alone ({other} draws)", hits, len(alone)))
+            for m, s in alone:
+                if (s.passed < s.total) != first[m.path]:
+                    print(f"  {'only' if s.passed < s.total else 'not'} with {other} draws: {m.name}")
     print(f"\n{missed} mistake(s) scored full marks")
     return 1 if missed else 0
 

@@ -19,6 +19,7 @@ EXERCISES = ROOT / "exercises"
 
 ep = load_script("exercise_plugin")
 load_script("make_stubs")
+load_script("trace_calls")  # before grade, which imports it
 load_script("grade")
 mistakes = load_script("mistakes")
 
@@ -39,7 +40,7 @@ def test_every_exercise_has_a_catalogued_mistake(ex):
 def test_mistake_is_the_stub_function_with_its_misconception(m):
     node = m.function_node()
     assert node is not None, f"{m.name} defines no {m.exercise.stub_name}"
-    assert m.misconception and "\n" not in m.misconception, f"{m.name}: a one-line docstring names the mistake"
+    assert m.summary and "\n" not in m.summary, f"{m.name}: a one-line docstring names the mistake"
     spec = importlib.util.spec_from_file_location(f"vfs_mistake_{m.path.stem.replace('.', '_')}", m.path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -59,26 +60,35 @@ def test_every_mistake_loses_marks(chapter):
         if s.total == 0:
             missed.append(f"{m.name}: none of exercise {m.exercise.id}'s tests ran")
         elif s.passed == s.total:
-            missed.append(f"{m.name} scores {s.passed}/{s.total}: {m.misconception}")
+            missed.append(f"{m.name} scores {s.passed}/{s.total}: {m.summary}")
     assert not missed, "the tests do not catch these wrong answers:\n" + "\n".join(missed)
 
 
 @pytest.mark.slow
-def test_grade_reports_the_chapters_other_tests(tmp_path):
-    """A wrong 04.3 that never asks the KV connector passes most of its own tests; the chapter's
-    property tests (listed by no exercise) catch it, on grade.py's line of their own."""
+def test_a_failing_chapter_test_costs_the_exercise_whose_code_fails_it(tmp_path):
+    """A wrong 04.3 that never asks the KV connector fails chapter tests that are no exercise's
+    own (the property tests): grade.py runs them with every exercise in place, charges each
+    failure to the exercise it fails with alone, and 04.3's mark drops."""
     grade = sys.modules["grade"]
     (m,) = [m for m in MISTAKES if m.path.name == "04.3_no_kv_connector.py"]
     key = mistakes.answer_key(["04_scheduler"])
     for rel, text in key.items():
         (tmp_path / "key" / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "key" / rel).write_text(text)
-    _, (clean,) = grade.grade_all(exercises_dir=tmp_path / "key", chapters=["04_scheduler"])
+    clean_scores, (clean,) = grade.grade_all(
+        exercises_dir=tmp_path / "key", chapters=["04_scheduler"], chapter_tests="all"
+    )
     assert clean.passed > 0 and clean.failed == 0, [t.nodeid for t in clean.tests if t.outcome == "failed"]
+    assert all(s.full and s.chapter_total > 0 for s in clean_scores), [(s.id, s.mark) for s in clean_scores]
     mistakes.grade_round([m], key, tmp_path / "wrong")
-    _, (wrong,) = grade.grade_all(exercises_dir=tmp_path / "wrong", chapters=["04_scheduler"])
+    scores, (wrong,) = grade.grade_all(exercises_dir=tmp_path / "wrong", chapters=["04_scheduler"], chapter_tests="all")
     failed = [t for t in wrong.tests if t.outcome == "failed"]
     assert wrong.failed == len(failed) > 0
     assert all("test_scheduler_properties.py" in t.nodeid and "_start_remote_load" in t.message for t in failed), [
         (t.nodeid, t.message[:200]) for t in failed
     ]
+    assert all(wrong.charged[t.nodeid] == ["04.3"] for t in failed), wrong.charged
+    by_id = {s.id: s for s in scores}
+    charged = {t.nodeid for t in by_id["04.3"].chapter_tests if t.outcome == "failed"}
+    assert {t.nodeid for t in failed} <= charged and by_id["04.3"].mark < 1
+    assert all(by_id[i].full for i in ("04.1", "04.2", "04.4")), [(s.id, s.mark) for s in scores]

@@ -26,6 +26,7 @@ EXERCISES = ROOT / "exercises"
 
 
 ep = load_script("exercise_plugin")
+trace_calls = load_script("trace_calls")  # before grade, which imports it
 grade = load_script("grade")
 make_stubs = load_script("make_stubs")
 
@@ -66,8 +67,9 @@ def test_untouched_stub_raises_its_own_message(ex):
 
 @pytest.mark.parametrize("ex", ALL, ids=lambda ex: ex.id)
 def test_listed_tests_exist(ex):
-    assert ex.tests, f"exercise {ex.id} lists no test"
-    for nodeid in ex.tests:
+    assert ex.tests, f"exercise {ex.id} lists no hand-written test"
+    assert ex.differential, f"exercise {ex.id} lists no differential test (drawn inputs against the book's function)"
+    for nodeid in ex.own_tests():
         path, *names = nodeid.split("::")
         assert path.startswith(ex.chapter + "/"), f"{nodeid}: an exercise is graded by its chapter's tests"
         file = ROOT / path
@@ -77,6 +79,14 @@ def test_listed_tests_exist(ex):
             found = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name]
             assert found, f"exercise {ex.id}: {path} defines no {name}"
             scope = found[0].body
+
+
+def test_chapter_test_maps_know_every_test():
+    """grade.py picks the chapter tests it runs from trace_calls.py's maps: a test they do not know
+    would never run in a grade, so a changed test file needs ``trace_calls.py --chapter`` again."""
+    stale = trace_calls.stale(sorted({ex.chapter for ex in ALL}))
+    advice = "exercises/<chapter>/chapter_tests.json is stale: run exercises/trace_calls.py --new-only"
+    assert not stale, advice + "\n" + "\n".join(stale)
 
 
 def test_registry_rejects_a_test_graded_twice(tmp_path):
@@ -107,7 +117,7 @@ def test_swap_is_undone():
 def test_untouched_stubs_fail_with_their_message():
     bad = []
     for s in grade.grade("student"):
-        listed = next(ex for ex in ALL if ex.id == s.id).tests
+        listed = next(ex for ex in ALL if ex.id == s.id).own_tests()
         if s.total < len(listed):
             bad.append(f"{s.id}: only {s.total} of its {len(listed)} tests ran")
         for r in s.tests:

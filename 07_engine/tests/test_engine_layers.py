@@ -183,8 +183,19 @@ def test_rotary_embedding_matches_hf(rope_parameters):
     rq, rk = hf_llama.apply_rotary_pos_emb(
         q.view(1, 6, 4, 16).transpose(1, 2), k.view(1, 6, 2, 16).transpose(1, 2), cos, sin
     )
-    torch.testing.assert_close(oq, rq.transpose(1, 2).reshape(6, -1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ok, rk.transpose(1, 2).reshape(6, -1), atol=1e-5, rtol=1e-5)
+    for name, ours, theirs in (("q", oq, rq), ("k", ok, rk)):
+        torch.testing.assert_close(
+            ours,
+            theirs.transpose(1, 2).reshape(6, -1),
+            atol=1e-5,
+            rtol=1e-5,
+            msg=lambda m, name=name: (
+                f"rotated {name} differs from transformers' at positions {positions.tolist()} "
+                f"({rope_parameters['rope_type']} RoPE): each token turns by the angles of its own position "
+                "(cos_sin_cache[positions], not rows 0..T-1), every head of q and of k rotates its two halves, and "
+                f"llama3 scaling changes the inverse frequencies first.\n{m}"
+            ),
+        )
 
 
 def test_rotary_embedding_in_bfloat16_matches_hf_bit_for_bit():

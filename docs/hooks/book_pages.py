@@ -212,7 +212,10 @@ def exercises_markdown() -> str:
         for ex in data.get("exercise", []):
             module, qualname = ex["target"].split(":")
             stub_file = ex["stub"].split(":")[0]
-            tests = "<br>".join(f"`{t.split('::', 1)[1]}`" for t in ex["tests"])
+            tests = "<br>".join(
+                [f"`{t.split('::', 1)[1]}`" for t in ex["tests"]]
+                + [f"`{t.split('::', 1)[1]}` (differential)" for t in ex.get("differential", [])]
+            )
             rows.append(
                 f"| {ex['id']} | `{qualname}` ({module}.py): {ex['title']} | "
                 f"`exercises/{chapter}/{stub_file}` | {tests} |"

@@ -57,8 +57,9 @@ def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
     methods as ``Parent.method(self, ...)``, not ``super()``.
 
     Hint: slot = block_table[p // block_size] * block_size + p % block_size: the blocks of a
-    sequence are wherever its table says, never block_table[0] + i. Positions past the table are
-    a ValueError.
+    sequence are wherever its table says, never block_table[0] + i. A range that ends past the
+    table (end > len(block_table) * block_size) is a ValueError saying how many blocks it needs,
+    even an empty range.
 
     Checked by: pytest 01_paged_kv/ --impl=student --exercise 01.3
     """

@@ -29,7 +29,10 @@ def build_slot_mapping(
         ``[num_tokens]`` int64 slots ``block_tables[s, p // block_size] * block_size + p % block_size``.
 
     Hint: Gather block_tables[seq_ids, positions // block_size] with advanced indexing; negative
-    positions (padding) become slot -1; a position past its row's table is a ValueError.
+    positions (padding) become slot -1. ValueErrors: a position past its row's block table
+    (naming the block table), a block_size that is not a positive int, seq_ids of another shape
+    than positions, and without seq_ids, positions of another length than block_tables' rows
+    (each naming its argument).
 
     Checked by: pytest 01_paged_kv/ --impl=student --exercise 01.4
     """

@@ -90,10 +90,13 @@ def paged_attention_varlen(
     Returns:
         ``[T, Hq, D]`` in ``q``'s dtype.
 
-    Hint: Sequence b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and sit at the last
-    positions of its seq_lens_k[b] keys: a causal mask offsets by kv_len - q_len. Single-token
-    rows can go through paged_attention_decode in one batch. Offsets that do not rise from 0 to
-    the number of query rows, or a sequence with more new tokens than keys, are a ValueError.
+    Hint: Validate first (_check_paged_args, _check_capacity). Sequence b's queries are rows
+    cu_seqlens_q[b]:cu_seqlens_q[b+1] and sit at the last positions of its seq_lens_k[b] keys:
+    query i sees the keys at positions up to kv_len - q_len + i (causal), or all of them
+    (causal=False). Single-token rows can go through paged_attention_decode in one batch.
+    Offsets that do not rise from 0 to the number of query rows are a ValueError naming
+    cu_seqlens_q; a sequence with more new tokens than keys, or with no keys at all, one naming
+    seq_lens_k.
 
     Checked by: pytest 02_page_attention/ --impl=student --exercise 02.3
     """

@@ -26,7 +26,8 @@ def compute_block_hash(
 
     Hint: Concatenate the parent hash (NONE_HASH for the first block), the token count and the
     token ids packed as little-endian int64 (struct.pack), and the encoded extra keys
-    (_encode_extra_keys); return xxhash.xxh3_128_digest of it. Never Python's hash().
+    (_encode_extra_keys); return xxhash.xxh3_128_digest of it. Never Python's hash(). A parent
+    that is neither None nor 16 bytes is a ValueError.
 
     Checked by: pytest 03_prefix_cache/ --impl=student --exercise 03.1
     """

@@ -36,11 +36,12 @@ def rejection_sample(
         ``[B, K+1]`` long: the accepted drafts, then the recovered (after a rejection) or bonus
         (all accepted) token, then -1.
 
-    Hint: Accept draft j while u * q(x_j) < p(x_j) (a cumulative product finds the first
-    rejection); at the first rejection sample from normalize(max(p - q, 0)), after K acceptances
-    the bonus token from p[K]; -1 after that. validate_rejection_inputs and
-    sample_rejection_noise do the checking and the randomness (so the Triton kernel can share
-    it).
+    Hint: validate_rejection_inputs does the checking (and gives one-hot q for None), and
+    sample_rejection_noise the randomness unless noise= is given (so the Triton kernel can share
+    it). Accept draft j while u_j * q(x_j) < p(x_j), -1 padding never (a cumulative product
+    finds the first rejection). The next token comes from max(p - q, 0) at the first rejection
+    (p itself if that has no mass left), or from p[K_i] after all K_i drafts (the bonus), each
+    drawn as the exponential race argmax(weights / noise.exponential[b]); -1 after it.
 
     Checked by: pytest 05_spec_decode/ --impl=student --exercise 05.1
     """

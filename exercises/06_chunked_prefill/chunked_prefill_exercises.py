@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from chunked_prefill import BatchInputs, SchedulerInfo
+from kv_cache import build_slot_mapping
 from scheduler import KVConnector, Request, Scheduler, SchedulerOutput
 
 
@@ -68,8 +69,10 @@ def from_scheduler_output(cls, out: SchedulerOutput) -> SchedulerInfo:
 def build_batch_inputs(info: SchedulerInfo, block_size: int, device: torch.device | str = "cpu") -> BatchInputs:
     """Flatten a :class:`SchedulerInfo` into the tensors of one varlen forward.
 
-    Hint: cu_seqlens_q is a cumulative sum of the chunk lengths; positions run from each
-    request's kv_len - chunk_len; slots come from the block tables (chapter 01's formula).
+    Hint: cu_seqlens_q is 0 followed by the running sum of the chunk lengths; a row's positions
+    run from its kv_len (the tokens already in its cache) for chunk_len tokens; seq_lens_k is
+    kv_len + chunk_len; slots come from the block tables (chapter 01's build_slot_mapping),
+    which are padded with 0 to the widest; logits_indices is info.logits_indices.
 
     Checked by: pytest 06_chunked_prefill/ --impl=student --exercise 06.4
     """

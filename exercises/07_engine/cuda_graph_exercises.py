@@ -16,8 +16,9 @@ def capture_batch_sizes(max_num_seqs: int) -> list[int]:
     """The decode batch sizes to capture: 1, 2, 4, 8, 16, 32, ... up to ``min(max_num_seqs, 512)``,
     always including that maximum itself.
 
-    Hint: nano-vllm's: 1, 2, 4, 8, then every 16 below min(max_num_seqs, 512), and that maximum
-    itself; a max_num_seqs that is not an int >= 1 is a ValueError.
+    Hint: nano-vllm's: of 1, 2, 4, 8, 16, 32, 48, ... (every 16 from 16 on), those below
+    min(max_num_seqs, 512), then that maximum itself; a max_num_seqs that is not an int >= 1 is
+    a ValueError.
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.T2a
     """

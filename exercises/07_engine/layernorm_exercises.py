@@ -18,8 +18,9 @@ def forward(
     Becomes ``RMSNorm.forward`` (a method: ``self`` is the RMSNorm). Call parent methods as
     ``Parent.method(self, ...)``, not ``super()``.
 
-    Hint: x * rsqrt(mean(x^2) + eps) * weight, computed in float32; with a residual, add it
-    first and return (normed, x + residual), the new residual.
+    Hint: Normalize in float32, x * rsqrt(mean(x^2) + eps), round that to x's dtype, then
+    multiply by weight in x's dtype (transformers' LlamaRMSNorm, bit for bit in bfloat16); with
+    a residual, add it to x first and return (normed, x + residual), the new residual.
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.9
     """

@@ -13,8 +13,13 @@ from load_generator import RequestResult
 def summarize(results: list[RequestResult], duration: float) -> dict:
     """Summarize a load test the way vllm bench serve does
 
-    Hint: Over successful requests: request and token throughputs, and mean / median / p99 of
-    TTFT, TPOT = (e2e - TTFT) / (output tokens - 1) and ITL (every gap of every request).
+    Hint: The keys format_report reads: successful_requests, failed_requests, duration_s,
+    total_input_tokens, total_output_tokens, request_throughput, output_throughput and
+    total_token_throughput (over successful requests, per second of duration); then mean_,
+    median_ and p99_ of ttft, tpot and itl, each _ms: TTFT, TPOT = (e2e - TTFT) / (output tokens
+    - 1) for requests with more than one output token, and ITL (every gap of every request), p99
+    by percentile() (linear interpolation), NaN when there are none; errors: the first five
+    distinct error messages of failed requests, sorted.
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.S4
     """

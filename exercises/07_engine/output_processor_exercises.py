@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 def update(self, all_token_ids: list[int]) -> None:
-    """Streaming text that never splits a character and cuts stop strings
+    """Streaming text that never splits a character
 
     Becomes ``IncrementalDetokenizer.update`` (a method: ``self`` is the
     IncrementalDetokenizer). Call parent methods as ``Parent.method(self, ...)``, not

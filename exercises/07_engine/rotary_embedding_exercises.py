@@ -15,9 +15,12 @@ import torch
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     """Llama 3.x's frequency-dependent stretch: long wavelengths slowed by ``factor``.
 
-    Hint: Wavelengths longer than original_max_position_embeddings / low_freq_factor are divided
-    by factor, shorter than .../ high_freq_factor are kept, and the band between is interpolated
-    smoothly between the two.
+    Hint: wavelength = 2 * pi / inv_freq. Frequencies whose wavelength is longer than
+    original_max_position_embeddings / low_freq_factor are divided by factor; shorter than
+    original_max_position_embeddings / high_freq_factor, kept; in between (ends included), with
+    smooth = (original_max_position_embeddings / wavelength - low_freq_factor) /
+    (high_freq_factor - low_freq_factor), they become (1 - smooth) * inv_freq / factor + smooth
+    * inv_freq. low_freq_factor and high_freq_factor default to 1 and 4.
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.4
     """
@@ -30,8 +33,9 @@ def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> 
     Becomes ``RotaryEmbedding.forward`` (a method: ``self`` is the RotaryEmbedding). Call parent
     methods as ``Parent.method(self, ...)``, not ``super()``.
 
-    Hint: Look up self.cos_sin_cache[positions], split it into cos and sin, and rotate the two
-    halves of every head of q and k (self._rotate does one tensor).
+    Hint: Look up self.cos_sin_cache[positions] and cast it to q's dtype (the rotation runs in
+    q's dtype, as in transformers), split it into cos and sin, and rotate the two halves of
+    every head of q and k (self._rotate does one tensor).
 
     Checked by: pytest 07_engine/ --impl=student --exercise 07.10
     """
