@@ -1,5 +1,6 @@
 import torch
 
+from attention_backends import AttentionMetadata
 from chunked_prefill import BatchInputs
 from kv_cache import build_slot_mapping
 
@@ -20,11 +21,13 @@ def build_batch_inputs(info, block_size, device="cpu"):
     return BatchInputs(
         input_ids=torch.tensor(info.merge_prompt, dtype=torch.long).to(device),
         positions=positions_t.to(device),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device),
-        seq_lens_k=seq_lens_k.to(device),
-        slot_mapping=build_slot_mapping(tables, positions_t, block_size, torch.tensor(seq_ids)).to(device),
-        block_tables=tables.to(device),
+        attn_metadata=AttentionMetadata(
+            slot_mapping=build_slot_mapping(tables, positions_t, block_size, torch.tensor(seq_ids)).to(device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device),
+            seq_lens_k=seq_lens_k.to(device),
+            block_tables=tables.to(device),
+            max_seqlen_q=max(info.chunk_len),
+            max_seqlen_k=int(seq_lens_k.max()),
+        ),
         logits_indices=torch.tensor(info.logits_indices, dtype=torch.long).to(device),
-        max_seqlen_q=max(info.chunk_len),
-        max_seqlen_k=int(seq_lens_k.max()),
     )
