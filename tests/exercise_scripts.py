@@ -26,3 +26,18 @@ def load_script(stem: str) -> ModuleType:
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules.setdefault(stem, sys.modules[name])
+
+
+def check_answer_file(answer, docstring_says: str) -> None:
+    """An answer file (a catalogued mistake or a hint's answer) defines its exercise's stub
+    function, with the reference's parameters and a one-line docstring that ``docstring_says``."""
+    plugin = load_script("exercise_plugin")
+    assert answer.function_node() is not None, f"{answer.name} defines no {answer.exercise.stub_name}"
+    assert answer.summary and "\n" not in answer.summary, f"{answer.name}: a one-line docstring {docstring_says}"
+    spec = importlib.util.spec_from_file_location(f"vfs_answer_{answer.path.stem.replace('.', '_')}", answer.path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    written = getattr(module, answer.exercise.stub_name)
+    assert plugin.signature_key(written) == plugin.signature_key(plugin.reference_function(answer.exercise)), (
+        f"{answer.name}: parameters differ from {answer.exercise.target}'s"
+    )

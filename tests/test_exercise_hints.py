@@ -6,10 +6,8 @@ a formula or a range has one. Slow check (one pytest subprocess per round): each
 answer key, keeps full marks on all of its exercise's own tests.
 """
 
-import importlib.util
-
 import pytest
-from exercise_scripts import load_script
+from exercise_scripts import check_answer_file, load_script
 
 ep = load_script("exercise_plugin")
 load_script("make_stubs")
@@ -36,16 +34,7 @@ def test_every_formula_hint_is_followed_by_an_answer(ex_id):
 
 @pytest.mark.parametrize("answer", HINTED, ids=lambda a: a.path.stem)
 def test_hint_answer_is_the_stub_function(answer):
-    node = answer.function_node()
-    assert node is not None, f"{answer.name} defines no {answer.exercise.stub_name}"
-    assert answer.summary and "\n" not in answer.summary, f"{answer.name}: a one-line docstring says what it follows"
-    spec = importlib.util.spec_from_file_location(f"vfs_hint_{answer.path.stem.replace('.', '_')}", answer.path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    written = getattr(module, answer.exercise.stub_name)
-    assert ep.signature_key(written) == ep.signature_key(ep.reference_function(answer.exercise)), (
-        f"{answer.name}: parameters differ from {answer.exercise.target}'s"
-    )
+    check_answer_file(answer, "says what it follows")
 
 
 @pytest.mark.slow

@@ -6,12 +6,11 @@ misconception. Slow checks (one pytest subprocess per round, per chapter): each 
 planted into the answer key, loses marks on its own exercise, with a failure that says so.
 """
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
-from exercise_scripts import load_script
+from exercise_scripts import check_answer_file, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 EXERCISES = ROOT / "exercises"
@@ -38,16 +37,7 @@ def test_every_exercise_has_a_catalogued_mistake(ex):
 
 @pytest.mark.parametrize("m", MISTAKES, ids=lambda m: m.path.stem)
 def test_mistake_is_the_stub_function_with_its_misconception(m):
-    node = m.function_node()
-    assert node is not None, f"{m.name} defines no {m.exercise.stub_name}"
-    assert m.summary and "\n" not in m.summary, f"{m.name}: a one-line docstring names the mistake"
-    spec = importlib.util.spec_from_file_location(f"vfs_mistake_{m.path.stem.replace('.', '_')}", m.path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    wrong = getattr(module, m.exercise.stub_name)
-    assert ep.signature_key(wrong) == ep.signature_key(ep.reference_function(m.exercise)), (
-        f"{m.name}: parameters differ from {m.exercise.target}'s"
-    )
+    check_answer_file(m, "names the mistake")
 
 
 @pytest.mark.slow
