@@ -66,7 +66,7 @@ def test_compiled_greedy_matches_transformers(request, monkeypatch, forward_size
 
 
 @pytest.mark.slow
-def test_second_engine_loads_the_cached_graphs(monkeypatch, forward_sizes, tiny_llama_dir):
+def test_second_engine_loads_the_cached_graphs(monkeypatch, tmp_path, forward_sizes, tiny_llama_dir):
     kwargs = dict(kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", device="cpu")
     LLM(tiny_llama_dir, **kwargs)  # compiles, or loads what an earlier test compiled
 
@@ -74,7 +74,11 @@ def test_second_engine_loads_the_cached_graphs(monkeypatch, forward_sizes, tiny_
         raise AssertionError("the graphs should have come from the cache")
 
     monkeypatch.setattr(compilation, "_compile_graph", refuse)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     llm = LLM(tiny_llama_dir, **kwargs)
+    # Loading unzips each package's library under $TMPDIR: nothing of it may stay on disk.
+    assert list(tmp_path.iterdir()) == []
+    assert os.environ["TMPDIR"] == str(tmp_path)
     prompts = make_prompts(4, (3, 11))
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in outs] == [hf_greedy(tiny_llama_dir, tuple(p)) for p in prompts]

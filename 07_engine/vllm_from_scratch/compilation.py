@@ -38,6 +38,7 @@ import logging
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -210,6 +211,25 @@ def _compile_graphs(model: nn.Module, kv_cache: torch.Tensor, config: EngineConf
         log.info("compiled the %s graph in %.1f s", name, time.perf_counter() - start)
 
 
+def _load_package(path: Path) -> AOTICompiledModel:
+    """Load one compiled package, leaving nothing behind on disk.
+
+    The loader unzips the package's shared library (the weights are inside it: a few hundred MB
+    for the default model) into a fresh directory under ``$TMPDIR`` and never removes it, so every
+    engine start would leave the model's size in ``/tmp``. Here it unzips into a directory of our
+    own, removed as soon as the library is loaded: the process keeps its mapping of the file."""
+    previous = os.environ.get("TMPDIR")
+    with tempfile.TemporaryDirectory(prefix="vllm_fs_aoti_") as scratch:
+        os.environ["TMPDIR"] = scratch
+        try:
+            return torch._inductor.aoti_load_package(str(path))
+        finally:
+            if previous is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = previous
+
+
 class CompiledForward:
     """The forward of any batch through the compiled graph for its token count.
 
@@ -241,7 +261,7 @@ class CompiledForward:
             partial.write_text(key)
             os.replace(partial, stamp)
         start = time.perf_counter()
-        graphs = {name: torch._inductor.aoti_load_package(str(directory / f"{name}.pt2")) for name in GRAPHS}
+        graphs = {name: _load_package(directory / f"{name}.pt2") for name in GRAPHS}
         log.info("loaded the compiled forward from %s in %.1f s", directory, time.perf_counter() - start)
         return cls(graphs)
 
