@@ -41,7 +41,8 @@ def compile_cache(tmp_path_factory):
 def forward_sizes(monkeypatch, compile_cache):
     """Compiled forwards go to the session's cache directory; returns the token count of every
     forward that went through a compiled graph."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(compile_cache))
+    # Not XDG_CACHE_HOME: chapter 02's kernel is cached under it too, and a fresh one rebuilds it.
+    monkeypatch.setattr(compilation, "cache_root", lambda: compile_cache)
     sizes: list[int] = []
     run = CompiledForward.run
 
@@ -135,7 +136,7 @@ def test_a_cpu_compiles_unless_eager_is_enforced_or_the_model_is_split(tiny_llam
 
 
 def test_a_compiler_failure_leaves_the_eager_forward(monkeypatch, compile_cache, tiny_llama_dir, caplog):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(compile_cache / "failing"))
+    monkeypatch.setattr(compilation, "cache_root", lambda: compile_cache / "failing")
 
     def fail(*args):
         raise RuntimeError("no C++ compiler here")
