@@ -31,6 +31,11 @@ compute and reserve the other for its front end, and once with every usable core
 ratio column ``vs vLLM`` is taken against the better of the two. ``--single-stream`` replaces the
 workload with one 248-token prompt and 128 new tokens (transformers at batch 1).
 
+Every CPU run also measures this machine's floors first (``floors.py``: the memory read rate
+over the weights' size, the matmul rate at the model's shapes) and gives each row as a fraction
+of the workload's floor, the most tok/s the machine allows it: that fraction, unlike a tok/s
+figure, compares across VMs and days.
+
 ``--quiet-below LOAD`` waits, before every timed run, until the 1-minute load average is below
 LOAD (others' jobs share the cores); after ``--quiet-timeout-min`` minutes of waiting in all it
 stops waiting and measures anyway, and the table marks those rows.
@@ -53,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from floors import Floors, measure_floors
 from machine import add_quiet_arg, check_quiet, cpu_flags, cpu_name, load_average, machine_line
 
 HERE = Path(__file__).resolve().parent
@@ -326,20 +332,25 @@ def print_table(
     peer: float | None = None,
     loads: list[dict] | None = None,
     peer_name: str = "vLLM",
+    floor: float | None = None,
 ) -> None:
     """One line per system: tok/s, ratio to the best transformers run (and the best run of the
-    peer, vLLM or nano-vllm), and the load average before → after its timed run (* where waiting
-    for quiet gave up)."""
+    peer, vLLM or nano-vllm), its fraction of the workload's floor (``floor``: the most tok/s the
+    machine allows, floors.py), and the load average before → after its timed run (* where
+    waiting for quiet gave up)."""
     peer_head = f"{'vs ' + peer_name:>14}" if peer else ""
+    floor_head = f"{'of floor':>10}" if floor else ""
     load_head = f"  {'load before -> after':<24}" if loads else ""
     width = max([46, *(len(name) + 2 for name, _ in rows)])
-    print(f"\n{'system':<{width}}{'output tok/s':>14}{'vs transformers':>18}{peer_head}{load_head}")
-    print("-" * (width + 32 + len(peer_head) + len(load_head)))
+    print(f"\n{'system':<{width}}{'output tok/s':>14}{'vs transformers':>18}{peer_head}{floor_head}{load_head}")
+    print("-" * (width + 32 + len(peer_head) + len(floor_head) + len(load_head)))
     for i, (name, tps) in enumerate(rows):
         ratio = f"{tps / baseline:.2f}x" if baseline else "-"
         line = f"{name:<{width}}{tps:>14.1f}{ratio:>18}"
         if peer:
             line += f"{tps / peer:>13.2f}x"
+        if floor:
+            line += f"{tps / floor:>10.0%}"
         if loads:
             rec = loads[i]
             gave_up = "*" if rec.get("quiet") is False else ""
@@ -359,10 +370,14 @@ def write_json(
     loads: list[dict] | None = None,
     details: dict[str, dict] | None = None,
     peer_name: str = "vLLM",
+    floors: dict | None = None,
 ) -> None:
+    """The table as JSON; ``floors`` (the machine's measured floors and the workload's floor tok/s)
+    adds each row's ``fraction_of_floor``."""
     report = {
         "machine": machine_info(load_before),
         "workload": workload,
+        "floors": floors,
         "rows": [],
     }
     for i, (name, tps) in enumerate(rows):
@@ -373,6 +388,8 @@ def write_json(
         }
         if peer:
             row["vs_" + peer_name.lower().replace("-", "_")] = round(tps / peer, 3)
+        if floors:
+            row["fraction_of_floor"] = round(tps / floors["workload_floor_tokens_per_s"], 3)
         if loads:
             row["load"] = loads[i]
         if details and name in details:
@@ -668,6 +685,8 @@ def main(argv: list[str] | None = None) -> None:
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     prompts, outputs = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
     watch = LoadWatch(args.quiet_below, time.time() + 60 * args.quiet_timeout_min)
+    floors = measure_floors(model_dir, resolve_dtype(args.dtype, "cpu"))
+    floor_tps = workload_floor(floors, prompts, outputs)
     engine_kwargs = dict(dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs)
     if args.max_num_batched_tokens:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
@@ -703,7 +722,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.output_len[0]}-{args.output_len[1]} new tokens, greedy, ignore_eos\n{machine_line()}\n"
         f"load average (1/5/15 min) before {load_before}, after {load_average()}"
     )
-    print_table(rows + hf + peer, best_hf, best_peer, watch.records)
+    print(f"{floors.describe()}\n{floor_summary(floors, prompts, outputs)}")
+    print_table(rows + hf + peer, best_hf, best_peer, watch.records, floor=floor_tps)
     print(f"\nthe engine started in {startup_s:.1f} s (model load{' and warm-up' if args.engine_warm_up else ''})")
     for name, _ in peer:
         print_vllm_processes(name, details[name])
@@ -723,7 +743,33 @@ def main(argv: list[str] | None = None) -> None:
             "passes": args.passes,
             "quiet_below": args.quiet_below,
         }
-        write_json(args.json, workload, rows + hf + peer, best_hf, load_before, best_peer, watch.records, details)
+        floors_json = {**floors.as_json(), "workload_floor_tokens_per_s": round(floor_tps, 1)}
+        write_json(
+            args.json,
+            workload,
+            rows + hf + peer,
+            best_hf,
+            load_before,
+            best_peer,
+            watch.records,
+            details,
+            floors=floors_json,
+        )
+
+
+def workload_floor(floors: Floors, prompts: list[list[int]], outputs: list[int]) -> float:
+    """The most output tok/s the measured floors allow the workload ``prompts`` / ``outputs``."""
+    return floors.tokens_per_s(sum(map(len, prompts)), sum(outputs), len(prompts), max(outputs))
+
+
+def floor_summary(floors: Floors, prompts: list[list[int]], outputs: list[int]) -> str:
+    """Which floor binds the workload, in words: one line under the floors' rates."""
+    seconds = floors.seconds(sum(map(len, prompts)), sum(outputs), len(prompts), max(outputs))
+    binding = max(seconds, key=seconds.get)
+    return (
+        f"this workload's floor: {workload_floor(floors, prompts, outputs):.1f} output tok/s "
+        f"(memory {seconds['memory']:.2f} s, matmul {seconds['matmul']:.2f} s: the {binding} bound)"
+    )
 
 
 def vllm_version(python: Path) -> str:

@@ -16,7 +16,8 @@ The same client, the same flags and the same seed for both servers. vLLM's serve
 defaults (one core computes, one is reserved for its front end) and, with ``--vllm-bindings``,
 with every usable core bound. The table gives output tok/s, TTFT p50 and p99, TPOT mean and ITL
 p99, with the machine and the load average around each measured run (``--quiet-below`` waits for
-a quiet machine first, as bench.py does).
+a quiet machine first, as bench.py does), and each server's output tok/s as a fraction of the
+workload's floor, measured first in the same run (``floors.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 from bench import LoadWatch, add_peer_args, machine_info, vllm_bindings, vllm_python
+from floors import measure_floors
 from load_generator import served_model
 from machine import add_quiet_arg, check_quiet, load_average, machine_line
 from server_testing import ServerProcess
@@ -144,16 +146,19 @@ def measure(
     return report
 
 
-def print_table(results: dict[str, dict]) -> None:
-    """One line per server: vLLM's client's figures and the load around the measured run."""
-    print(f"\n{'server':<44}" + "".join(f"{h:>14}" for h, _ in METRICS) + "  load before -> after")
-    print("-" * (44 + 14 * len(METRICS) + 22))
+def print_table(results: dict[str, dict], floor: float | None = None) -> None:
+    """One line per server: vLLM's client's figures, the output tok/s as a fraction of ``floor``
+    (the workload's most tok/s on this machine) and the load around the measured run."""
+    floor_head = f"{'of floor':>10}" if floor else ""
+    print(f"\n{'server':<44}" + "".join(f"{h:>14}" for h, _ in METRICS) + floor_head + "  load before -> after")
+    print("-" * (44 + 14 * len(METRICS) + len(floor_head) + 22))
     for name, r in results.items():
         load = r["load"]
         gave_up = "*" if load.get("quiet") is False else ""
         print(
             f"{name:<44}"
             + "".join(f"{r[key]:>14.1f}" for _, key in METRICS)
+            + (f"{r['output_throughput'] / floor:>10.0%}" if floor else "")
             + f"  {load['load_before'].split()[0]} -> {load['load_after'].split()[0]}{gave_up}"
         )
     if any(r["load"].get("quiet") is False for r in results.values()):
@@ -220,6 +225,9 @@ def main(argv: list[str] | None = None) -> dict:
     args.dtype = str(resolve_dtype(args.dtype, "cpu")).removeprefix("torch.")  # vLLM needs a name
     load_before = load_average()
     watch = LoadWatch(args.quiet_below, time.time() + 60 * args.quiet_timeout_min)
+    floors = measure_floors(model_dir, resolve_dtype(args.dtype, "cpu"))
+    total_in, total_out = args.num_prompts * args.input_len, args.num_prompts * args.output_len
+    floor_tps = floors.tokens_per_s(total_in, total_out, args.num_prompts, args.output_len)
     ours = ["vllm_from_scratch.serve", model_dir, "--dtype", args.dtype, "--device", "cpu", "--log-level", "warning"]
     servers = {
         "our server": ServerProcess(
@@ -240,7 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"{'; our server eager' * args.enforce_eager}\n{machine_line()}\n"
         f"load average (1/5/15 min) before {load_before}, after {load_average()}"
     )
-    print_table(results)
+    print(f"{floors.describe()}\nthis workload's floor: {floor_tps:.1f} output tok/s")
+    print_table(results, floor_tps)
     check = verdict(results)
     if check:
         print(
@@ -254,7 +263,9 @@ def main(argv: list[str] | None = None) -> dict:
             k: getattr(args, k)
             for k in ("input_len", "output_len", "num_prompts", "max_concurrency", "warmup_prompts", "seed", "dtype")
         },
+        "floors": {**floors.as_json(), "workload_floor_tokens_per_s": round(floor_tps, 1)},
         "results": results,
+        "fraction_of_floor": {name: round(r["output_throughput"] / floor_tps, 3) for name, r in results.items()},
         "verdict": check,
     }
     if args.json:

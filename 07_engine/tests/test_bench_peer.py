@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import bench
+import floors
 import machine
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -76,6 +77,8 @@ def test_one_table_holds_engine_transformers_and_both_vllm_runs(fake_venv, monke
 
     monkeypatch.setattr(bench, "bench_engine", lambda *a, watch, more_workloads, **kw: ([timed(watch, 300.0)], 2.5))
     monkeypatch.setattr(bench, "bench_transformers", lambda *a: timed(a[-1], 50.0))
+    footprint = floors.ModelFootprint(1, 1, 0, {(1, 1): 1}, 2)  # test_floors.py checks the floors' figures
+    monkeypatch.setattr(bench, "measure_floors", lambda *a: floors.Floors(1e9, 1e9, footprint))
     out = tmp_path / "peer.json"
     bench.main(
         [
@@ -171,8 +174,10 @@ def test_bench_serving_compares_our_server_with_the_best_vllm_serve(capsys):
         "vllm serve (defaults)": {**result, "output_throughput": 100.0, "p99_ttft_ms": 1000.0},
         "vllm serve (all-cores-bound)": {**result, "output_throughput": 150.0, "p99_ttft_ms": 3000.0},
     }
-    bench_serving.print_table(results)
-    assert "TTFT p50 ms" in capsys.readouterr().out
+    bench_serving.print_table(results, floor=600.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert "TTFT p50 ms" in lines[1] and "of floor" in lines[1]
+    assert next(line for line in lines if line.startswith("our server")).split()[7] == "50%"
     assert bench_serving.verdict(results) == {
         "against": "vllm serve (all-cores-bound)",
         "throughput_ratio": 2.0,

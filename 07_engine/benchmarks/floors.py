@@ -1,0 +1,211 @@
+"""The machine's own floors, measured in the same run as the benchmark they judge.
+
+A tok/s figure from one VM says little about another of the same label: memory and matmul speed
+differ between hosts and between days (performance.md's tables moved 1.7x from one day to the
+next). What carries over is the *fraction of the floor*: how close a system comes to what this
+machine's memory and matmul units allow for the work it was given, measured minutes apart.
+
+Two floors bound a generation workload from below, in time:
+
+* **memory**: every decode step reads every weight once (one stream's step is a matrix-vector
+  product per linear). A workload whose longest request generates ``T`` tokens takes at least
+  ``T`` steps, so ``T * weight_bytes / read_bandwidth`` seconds. Measured: the time to sum a
+  buffer the size of the weights, in their dtype, with the benchmark's threads.
+* **matmul**: every token forwarded costs ``2 * matmul_params`` FLOP in the decoder's linears and
+  every sampled row ``2 * head_params`` in the LM head (attention, norms and the rest are extra).
+  Measured: the rate of ``F.linear`` at the model's own weight shapes, ``GEMM_ROWS`` rows, in the
+  model's dtype.
+
+The floor of a workload is the larger of the two times; its output tokens over that time is the
+most tok/s this machine could give, and ``measured / floor`` is what a table reports beside it.
+
+    python 07_engine/benchmarks/floors.py                 # the default model's floors here
+    python 07_engine/benchmarks/floors.py --dtype float32 --model DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+# Rows of the matmul-rate probe: a prefill chunk's size, where a GEMM runs near its best rate.
+GEMM_ROWS = 2048
+# Best of this many timed repeats: the floor is what the machine *can* do; noise only slows it.
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    """What one token costs a model: the parameters its linears multiply and the bytes a step reads.
+
+    ``matmul_shapes`` are the decoder's 2-D weights (out, in), one entry per distinct shape with
+    its count; ``head_params`` the LM head's (the embedding matrix when tied: counted once, since a
+    step reads a single embedding row but the whole head)."""
+
+    matmul_params: int
+    head_params: int
+    other_params: int
+    matmul_shapes: dict[tuple[int, int], int]
+    bytes_per_param: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return (self.matmul_params + self.head_params + self.other_params) * self.bytes_per_param
+
+
+def model_footprint(model_dir: str | Path, dtype: torch.dtype) -> ModelFootprint:
+    """Read the parameter shapes from ``model_dir``'s safetensors headers (no weights loaded)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    if not shapes:
+        raise ValueError(f"model_dir {model_dir} holds no *.safetensors file")
+    head = next((n for n in ("lm_head.weight", "model.embed_tokens.weight") if n in shapes), None)
+    if head is None:
+        raise ValueError(f"model_dir {model_dir}: no lm_head.weight or model.embed_tokens.weight")
+    matmul: dict[tuple[int, int], int] = {}
+    other = 0
+    for name, shape in shapes.items():
+        if name == head:
+            continue
+        if ".layers." in name and name.endswith(".weight") and len(shape) == 2:
+            matmul[(shape[0], shape[1])] = matmul.get((shape[0], shape[1]), 0) + 1
+        elif name != "model.embed_tokens.weight":  # an untied embedding: one row read a step
+            other += math.prod(shape)
+    return ModelFootprint(
+        matmul_params=sum(o * i * count for (o, i), count in matmul.items()),
+        head_params=math.prod(shapes[head]),
+        other_params=other,
+        matmul_shapes=matmul,
+        bytes_per_param=torch.empty((), dtype=dtype).element_size(),
+    )
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # warm: page faults, oneDNN's kernel choice
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_read_bandwidth(nbytes: int, dtype: torch.dtype, repeats: int = REPEATS) -> float:
+    """Bytes per second of summing an ``nbytes`` buffer of ``dtype``: reading it once from memory
+    (the buffer is far larger than the caches for any real model)."""
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be positive, got {nbytes}")
+    buffer = torch.ones(max(1, nbytes // torch.empty((), dtype=dtype).element_size()), dtype=dtype)
+    return buffer.numel() * buffer.element_size() / _best_seconds(buffer.sum, repeats)
+
+
+def measure_gemm_rate(
+    shapes: dict[tuple[int, int], int], dtype: torch.dtype, rows: int = GEMM_ROWS, repeats: int = REPEATS
+) -> float:
+    """FLOP per second of ``F.linear`` over ``rows`` rows at each (out, in) weight shape, weighted
+    by how many weights have it: the model's own matmul mix."""
+    if not shapes:
+        raise ValueError("shapes must hold at least one (out, in) weight shape")
+    flops = seconds = 0.0
+    with torch.inference_mode():
+        for (out_features, in_features), count in shapes.items():
+            x = torch.randn(rows, in_features).to(dtype)
+            w = torch.randn(out_features, in_features).to(dtype)
+            seconds += count * _best_seconds(lambda x=x, w=w: F.linear(x, w), repeats)
+            flops += count * 2.0 * rows * in_features * out_features
+    return flops / seconds
+
+
+@dataclass(frozen=True)
+class Floors:
+    """This machine's measured rates and the model's footprint, as a table prints them."""
+
+    read_bytes_per_s: float
+    gemm_flop_per_s: float
+    footprint: ModelFootprint
+
+    def seconds(self, prompt_tokens: int, output_tokens: int, num_requests: int, longest_output: int) -> dict:
+        """The two floors of a workload, in seconds: ``memory`` (the longest request's decode
+        steps, each reading every weight) and ``matmul`` (every forwarded token through the
+        linears, every sampled row through the head)."""
+        forwarded = prompt_tokens + output_tokens - num_requests  # a request's last token is never fed back
+        flops = 2.0 * (self.footprint.matmul_params * forwarded + self.footprint.head_params * output_tokens)
+        return {
+            "memory": longest_output * self.footprint.weight_bytes / self.read_bytes_per_s,
+            "matmul": flops / self.gemm_flop_per_s,
+        }
+
+    def tokens_per_s(self, prompt_tokens: int, output_tokens: int, num_requests: int, longest_output: int) -> float:
+        """The most output tok/s this machine could give the workload: output tokens over the
+        larger floor."""
+        return output_tokens / max(self.seconds(prompt_tokens, output_tokens, num_requests, longest_output).values())
+
+    def describe(self) -> str:
+        return (
+            f"floors measured in this run: memory read {self.read_bytes_per_s / 1e9:.1f} GB/s over "
+            f"{self.footprint.weight_bytes / 1e6:.0f} MB (the weights' size), matmul "
+            f"{self.gemm_flop_per_s / 1e9:.0f} GFLOP/s at the model's shapes, {GEMM_ROWS} rows"
+        )
+
+    def as_json(self) -> dict:
+        footprint = asdict(self.footprint)
+        footprint["matmul_shapes"] = [[o, i, c] for (o, i), c in self.footprint.matmul_shapes.items()]
+        return {
+            "read_gb_per_s": round(self.read_bytes_per_s / 1e9, 2),
+            "gemm_gflop_per_s": round(self.gemm_flop_per_s / 1e9, 1),
+            "gemm_rows": GEMM_ROWS,
+            "weight_bytes": self.footprint.weight_bytes,
+            "footprint": footprint,
+        }
+
+
+def measure_floors(model_dir: str | Path, dtype: torch.dtype, repeats: int = REPEATS) -> Floors:
+    """Measure both rates for ``model_dir`` in ``dtype`` with this process's torch threads."""
+    footprint = model_footprint(model_dir, dtype)
+    return Floors(
+        read_bytes_per_s=measure_read_bandwidth(footprint.weight_bytes, dtype, repeats),
+        gemm_flop_per_s=measure_gemm_rate(footprint.matmul_shapes, dtype, repeats=repeats),
+        footprint=footprint,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2)")
+    parser.add_argument("--dtype", default="auto", help="the weights' dtype (default: the engine's on this CPU)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the floors as JSON")
+    args = parser.parse_args(argv)
+    from machine import machine_line
+    from vllm_from_scratch import default_model_dir
+    from vllm_from_scratch.loader import resolve_dtype
+
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    model_dir = args.model or default_model_dir()
+    dtype = resolve_dtype(args.dtype, "cpu")
+    floors = measure_floors(model_dir, dtype)
+    print(machine_line())
+    print(floors.describe())
+    step = floors.footprint.weight_bytes / floors.read_bytes_per_s
+    print(f"one stream's decode step reads every weight: >= {step * 1e3:.2f} ms, <= {1 / step:.1f} tok/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(floors.as_json(), indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

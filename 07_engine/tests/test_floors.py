@@ -1,0 +1,93 @@
+"""floors.py: the machine's floors a benchmark measures beside its table, and the arithmetic that
+turns them into the most tok/s a workload can get."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+import bench
+from floors import Floors, ModelFootprint, measure_gemm_rate, measure_read_bandwidth, model_footprint
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_footprint_counts_every_parameter_once(request, arch):
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    footprint = model_footprint(model_dir, torch.bfloat16)
+    # A step reads every weight but the embedding matrix, of which it reads one row; a tied head
+    # *is* that matrix, read whole as the head (the model's parameters count it once, too).
+    params = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    read = params if embedding is model.get_output_embeddings().weight else params - embedding.numel()
+    assert footprint.weight_bytes == 2 * read
+    assert footprint.head_params == model.get_output_embeddings().weight.numel()
+    linears = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert footprint.matmul_params == sum(w.numel() for w in linears)
+    assert sum(footprint.matmul_shapes.values()) == len(linears)
+
+
+def test_a_directory_without_weights_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="model_dir"):
+        model_footprint(tmp_path, torch.float32)
+
+
+FOOTPRINT = ModelFootprint(
+    matmul_params=100, head_params=30, other_params=2, matmul_shapes={(10, 10): 1}, bytes_per_param=2
+)
+
+
+@settings(max_examples=50, derandomize=True, deadline=None)
+@given(
+    read=st.floats(1e3, 1e12),
+    gemm=st.floats(1e3, 1e15),
+    lengths=st.lists(st.tuples(st.integers(1, 4096), st.integers(1, 1024)), min_size=1, max_size=64),
+)
+def test_the_floor_is_the_slower_of_reading_the_weights_and_doing_the_matmuls(read, gemm, lengths):
+    floors = Floors(read_bytes_per_s=read, gemm_flop_per_s=gemm, footprint=FOOTPRINT)
+    prompt, output = sum(p for p, _ in lengths), sum(o for _, o in lengths)
+    longest = max(o for _, o in lengths)
+    seconds = floors.seconds(prompt, output, len(lengths), longest)
+    # By hand: 264 bytes read per decode step; every token fed back through 100 matmul
+    # parameters (a request's last token never is), every sampled row through the 30 of the head.
+    assert math.isclose(seconds["memory"], longest * 264 / read)
+    assert math.isclose(seconds["matmul"], 2 * (100 * (prompt + output - len(lengths)) + 30 * output) / gemm)
+    tps = floors.tokens_per_s(prompt, output, len(lengths), longest)
+    assert math.isclose(tps, output / max(seconds.values()))
+
+
+def test_the_rates_are_measured_and_bad_sizes_are_refused():
+    assert 0 < measure_read_bandwidth(1 << 20, torch.float32, repeats=2) < math.inf
+    assert 0 < measure_gemm_rate({(64, 32): 2}, torch.float32, rows=16, repeats=2) < math.inf
+    with pytest.raises(ValueError, match="nbytes"):
+        measure_read_bandwidth(0, torch.float32)
+    with pytest.raises(ValueError, match="shapes"):
+        measure_gemm_rate({}, torch.float32)
+
+
+def test_bench_gives_every_row_as_a_fraction_of_the_workloads_floor(monkeypatch, capsys, tmp_path):
+    floors = Floors(read_bytes_per_s=1e9, gemm_flop_per_s=1e9, footprint=FOOTPRINT)
+    monkeypatch.setattr(bench, "measure_floors", lambda *a: floors)
+    monkeypatch.setattr(bench, "workload_floor", lambda *a: 600.0)
+
+    def timed(watch, tps):
+        watch.before()
+        watch.after()
+        return tps
+
+    monkeypatch.setattr(bench, "bench_engine", lambda *a, watch, more_workloads, **kw: ([timed(watch, 300.0)], 2.5))
+    monkeypatch.setattr(bench, "bench_transformers", lambda *a: timed(a[-1], 60.0))
+    out = tmp_path / "bench.json"
+    bench.main(["--num-requests", "3", "--hf-batch-sizes", "2", "--hf-dtypes", "float32", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "floors measured in this run: memory read 1.0 GB/s" in text and "of floor" in text
+    cells = next(line for line in text.splitlines() if line.startswith("engine ")).split()
+    assert cells[cells.index("300.0") :][:3] == ["300.0", "5.00x", "50%"]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["fraction_of_floor"] for r in rows] == [0.5, 0.1]
