@@ -51,8 +51,15 @@ def pool_config(master, role: str) -> dict:
 
 def engine(pool: dict | None = None) -> LLM:
     kw = {} if pool is None else {"kv_transfer_config": pool}
+    # No warm-up: it times nothing here, and would run 34 dummy forwards in each of a test's engines.
     return LLM(
-        default_model_dir(), dtype="float32", num_kvcache_blocks=128, max_model_len=512, **kw, enforce_eager=True
+        default_model_dir(),
+        dtype="float32",
+        num_kvcache_blocks=128,
+        max_model_len=512,
+        **kw,
+        enforce_eager=True,
+        warm_up=False,
     )
 
 
@@ -110,6 +117,7 @@ def test_disaggregated_prefill_and_decode_through_the_proxy(store):
         "--log-level",
         "warning",
         "--enforce-eager",
+        "--no-warm-up",
         "--kv-transfer-config",
     ]
     with (

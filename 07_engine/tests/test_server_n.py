@@ -217,7 +217,7 @@ ATOL = 1e-4  # float32; a request's batch differs from its single twin's
 @pytest.fixture(scope="module")
 def base_url():
     args = ["vllm_from_scratch.serve", "--dtype", "float32", "--max-model-len", "512", "--num-kvcache-blocks", "160"]
-    args += ["--enforce-eager"]  # as every test but test_compile.py: no graphs compiled for one module
+    args += ["--enforce-eager", "--no-warm-up"]  # as every test but test_compile.py: no graphs compiled for one module
     with ServerProcess([*args, "--max-num-seqs", "16", "--log-level", "warning"], startup_timeout_s=180) as server:
         yield server.url
 
