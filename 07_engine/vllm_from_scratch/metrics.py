@@ -52,6 +52,29 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 
 
+# vLLM 0.32's families that the engine does not expose, and why (07_engine/topics/serving.md
+# shows them beside the rest). The first six vLLM exposes on every server; the others only when
+# a setting asks for them.
+VLLM_FAMILIES_NOT_EXPOSED = {
+    "vllm:admission_rejections": "the server has no admission queue limit (vLLM's --max-num-queued-reqs, "
+    "--max-num-queued-tokens): no request is refused for a full queue",
+    "vllm:estimated_flops_per_gpu": "vLLM's analytic FLOPs estimate for GPU utilisation (MFU); its CPU build reports 0",
+    "vllm:estimated_read_bytes_per_gpu": "the same estimate's memory reads; 0 on vLLM's CPU build",
+    "vllm:estimated_write_bytes_per_gpu": "the same estimate's memory writes; 0 on vLLM's CPU build",
+    "vllm:mm_cache_queries": "the engine takes text and token ids only: no multi-modal inputs to cache",
+    "vllm:mm_cache_hits": "the same: no multi-modal cache",
+    "vllm:corrupted_requests": "only with VLLM_COMPUTE_NANS_IN_LOGITS; a request whose logits are all NaN "
+    "ends with finish reason 'error' here, counted in vllm:request_success",
+    "vllm:watermark_requests": "only with a watermark_config: the engine has no watermarking",
+    "vllm:lora_requests_info": "only with LoRA: the engine serves no adapters",
+    "vllm:num_requests_kv_fetch_by_stage": "only for a KV consumer: the global KV pool loads synchronously at the "
+    "start of the next step, so no load is ever in flight when /metrics is read",
+    "vllm:kv_block_lifetime_seconds": "only with --kv-cache-metrics (sampled block residency); not built",
+    "vllm:kv_block_idle_before_evict_seconds": "the same opt-in family",
+    "vllm:kv_block_reuse_gap_seconds": "the same opt-in family",
+}
+
+
 def one_two_five_buckets(limit: int) -> tuple[float, ...]:
     """vLLM's ``build_1_2_5_buckets``: 1, 2, 5, 10, 20, 50, ... up to ``limit`` (token counts)."""
     buckets: list[float] = []
