@@ -5,9 +5,9 @@ Two kinds of family, as in vLLM. The engine's state and its cumulative counters 
 running and waiting, KV-cache usage, prefix-cache queries and hits, tokens, preemptions) are
 read from the latest ``get_stats()`` snapshot at scrape time: no second copy to drift. What
 only a request's life shows (time to first token, its phases, its token counts, ``n``,
-``max_tokens``, its preemptions) the engine reports as it happens: :class:`EngineMetrics`'s
-``request_*`` methods, called on the engine's thread, keep vLLM's per-request record
-(``RequestStateStats``) and observe the histograms. Every series carries vLLM's ``model_name``
+``max_tokens``, its preemptions) the engine reports as it happens, on its own thread, to
+:class:`EngineMetrics`, which keeps vLLM's per-request record (``RequestStateStats``) and
+observes the histograms. Every series carries vLLM's ``model_name``
 (the served name) and ``engine`` (the engine's index, "0") labels. Each engine has its own
 registry, not the process-global one, so two engines in one process do not collide.
 """
@@ -168,8 +168,9 @@ class SchedulerStatsCollector(Collector):
             "cached. Sum of all reasons equals vllm:num_requests_waiting.",
             "reason",
         )
-        by_reason.add_metric([*labels, "capacity"], float(stats.get("num_requests_waiting", 0)) - deferred)
-        by_reason.add_metric([*labels, "deferred"], deferred)
+        waiting = float(stats.get("num_requests_waiting", 0))
+        for reason, count in zip(WAITING_REASONS, (waiting - deferred, deferred)):
+            by_reason.add_metric([*labels, reason], count)
         yield by_reason
         pool = KV_POOL_COUNTERS if "kv_pool_hit_tokens" in stats else ()
         for name, key, doc in COUNTERS + pool:
