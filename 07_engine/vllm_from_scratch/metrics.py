@@ -132,6 +132,62 @@ KV_POOL_COUNTERS = (
 )
 
 
+# vLLM's histograms: (name, help, buckets); None is the 1-2-5 series of token counts up to
+# max_model_len. A request's phases (vLLM's): queued from its arrival in the engine to its first
+# scheduling, prefill from then to its first token, decode from there to its last; inference is
+# prefill + decode.
+HISTOGRAMS: tuple[tuple[str, str, tuple[float, ...] | None], ...] = (
+    ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", None),
+    ("vllm:request_generation_tokens", "Number of generation tokens processed.", None),
+    ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKEN_BUCKETS),
+    (
+        "vllm:request_max_num_generation_tokens",
+        "Histogram of maximum number of requested generation tokens.",
+        None,
+    ),
+    ("vllm:request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS),
+    ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", None),
+    ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+    (
+        "vllm:request_time_per_output_token_seconds",
+        "Histogram of time_per_output_token_seconds per request.",
+        ITL_BUCKETS,
+    ),
+    ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS),
+    (
+        "vllm:request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.",
+        REQUEST_LATENCY_BUCKETS,
+    ),
+    (
+        "vllm:request_inference_time_seconds",
+        "Histogram of time spent in RUNNING phase for request.",
+        REQUEST_LATENCY_BUCKETS,
+    ),
+    (
+        "vllm:request_prefill_time_seconds",
+        "Histogram of time spent in PREFILL phase for request.",
+        REQUEST_LATENCY_BUCKETS,
+    ),
+    (
+        "vllm:request_decode_time_seconds",
+        "Histogram of time spent in DECODE phase for request.",
+        REQUEST_LATENCY_BUCKETS,
+    ),
+    (
+        "vllm:request_num_preemptions",
+        "Histogram of the number of times a request was preempted.",
+        REQUEST_NUM_PREEMPTIONS_BUCKETS,
+    ),
+    (
+        "vllm:request_prefill_kv_computed_tokens",
+        "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+        None,
+    ),
+)
+
+
 class SchedulerStatsCollector(Collector):
     """Turns the engine's ``get_stats()`` snapshot into gauges and counters at scrape time."""
 
@@ -295,16 +351,12 @@ class EngineMetrics:
         self.requests: dict[str, RequestStateStats] = {}
         self.parents: dict[str, ParentStats] = {}
 
-        def histogram(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
-            return Histogram(name, doc, LABELS, buckets=tuple(buckets), registry=self.registry).labels(*self.labels)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, LABELS, registry=self.registry).labels(*self.labels)
-
-        tokens = one_two_five_buckets(max_model_len)
-        self.prompt_tokens_cached = counter(
-            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
-        )
+        self.prompt_tokens_cached = Counter(
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            LABELS,
+            registry=self.registry,
+        ).labels(*self.labels)
         by_source = Counter(
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source.",
@@ -319,63 +371,11 @@ class EngineMetrics:
             registry=self.registry,
         )
         self.request_success = {reason: success.labels(*self.labels, reason) for reason in FINISH_REASONS}
-        self.request_prompt_tokens = histogram(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens
-        )
-        self.request_generation_tokens = histogram(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.", tokens
-        )
-        self.iteration_tokens = histogram(
-            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKEN_BUCKETS
-        )
-        self.request_max_num_generation_tokens = histogram(
-            "vllm:request_max_num_generation_tokens",
-            "Histogram of maximum number of requested generation tokens.",
-            tokens,
-        )
-        self.request_params_n = histogram(
-            "vllm:request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS
-        )
-        self.request_params_max_tokens = histogram(
-            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens
-        )
-        self.time_to_first_token = histogram(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
-        )
-        self.inter_token_latency = histogram(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
-        )
-        self.request_time_per_output_token = histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.",
-            ITL_BUCKETS,
-        )
-        # A request's phases (vLLM's): queued from arrival to its first scheduling, prefill from
-        # then to its first token, decode from there to its last; inference is prefill + decode.
-        phases = {}
-        for name, doc in (
-            ("e2e_request_latency", "Histogram of e2e request latency in seconds."),
-            ("request_queue_time", "Histogram of time spent in WAITING phase for request."),
-            ("request_inference_time", "Histogram of time spent in RUNNING phase for request."),
-            ("request_prefill_time", "Histogram of time spent in PREFILL phase for request."),
-            ("request_decode_time", "Histogram of time spent in DECODE phase for request."),
-        ):
-            phases[name] = histogram(f"vllm:{name}_seconds", doc, REQUEST_LATENCY_BUCKETS)
-        self.e2e_request_latency = phases["e2e_request_latency"]
-        self.request_queue_time = phases["request_queue_time"]
-        self.request_inference_time = phases["request_inference_time"]
-        self.request_prefill_time = phases["request_prefill_time"]
-        self.request_decode_time = phases["request_decode_time"]
-        self.request_num_preemptions = histogram(
-            "vllm:request_num_preemptions",
-            "Histogram of the number of times a request was preempted.",
-            REQUEST_NUM_PREEMPTIONS_BUCKETS,
-        )
-        self.request_prefill_kv_computed_tokens = histogram(
-            "vllm:request_prefill_kv_computed_tokens",
-            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
-            tokens,
-        )
+        tokens = one_two_five_buckets(max_model_len)
+        self.histograms = {
+            name: Histogram(name, doc, LABELS, buckets=buckets or tokens, registry=self.registry).labels(*self.labels)
+            for name, doc, buckets in HISTOGRAMS
+        }
 
     # ---- the engine's thread reports a request's life ----------------------------------------
 
@@ -430,14 +430,14 @@ class EngineMetrics:
                 self.prompt_tokens_by_source["local_cache_hit"].inc(num_cached - external)
                 self.prompt_tokens_by_source["external_kv_transfer"].inc(external)
                 self.prompt_tokens_cached.inc(num_cached)
-                self.time_to_first_token.observe(wall_now - stats.arrival_time)
+                self.observe("vllm:time_to_first_token_seconds", wall_now - stats.arrival_time)
                 stats.first_token_ts = now
             else:
-                self.inter_token_latency.observe(now - stats.last_token_ts)
+                self.observe("vllm:inter_token_latency_seconds", now - stats.last_token_ts)
             stats.last_token_ts = now
             stats.num_generation_tokens += num_new
         if step_total:
-            self.iteration_tokens.observe(step_total)
+            self.observe("vllm:iteration_tokens_total", step_total)
 
     def request_finished(self, request_id: str, finish_reason: str, wall_now: float) -> None:
         """``request_id`` ended: its count by reason, and (unless aborted or failed) its histograms.
@@ -455,25 +455,29 @@ class EngineMetrics:
         if finish_reason in ("abort", "error"):
             return
         if parent is None or parent.num_unfinished == 0:  # once per request, when its last completion ends
-            self.request_params_n.observe(1 if parent is None else parent.n)
+            self.observe("vllm:request_params_n", 1 if parent is None else parent.n)
             most = stats.num_generation_tokens if parent is None else parent.max_num_generation_tokens
-            self.request_max_num_generation_tokens.observe(most)
-        self.e2e_request_latency.observe(wall_now - stats.arrival_time)
-        self.request_prompt_tokens.observe(stats.num_prompt_tokens)
-        self.request_generation_tokens.observe(stats.num_generation_tokens)
-        self.request_prefill_kv_computed_tokens.observe(stats.num_prompt_tokens - stats.num_cached_tokens)
-        self.request_num_preemptions.observe(stats.num_preemptions)
+            self.observe("vllm:request_max_num_generation_tokens", most)
+        self.observe("vllm:e2e_request_latency_seconds", wall_now - stats.arrival_time)
+        self.observe("vllm:request_prompt_tokens", stats.num_prompt_tokens)
+        self.observe("vllm:request_generation_tokens", stats.num_generation_tokens)
+        self.observe("vllm:request_prefill_kv_computed_tokens", stats.num_prompt_tokens - stats.num_cached_tokens)
+        self.observe("vllm:request_num_preemptions", stats.num_preemptions)
         if stats.max_tokens is not None:
-            self.request_params_max_tokens.observe(stats.max_tokens)
+            self.observe("vllm:request_params_max_tokens", stats.max_tokens)
         if stats.scheduled_ts == 0.0 or stats.first_token_ts == 0.0:
             return  # it never ran: no phases to time
         decode = stats.last_token_ts - stats.first_token_ts
-        self.request_queue_time.observe(stats.scheduled_ts - stats.queued_ts)
-        self.request_prefill_time.observe(stats.first_token_ts - stats.scheduled_ts)
-        self.request_decode_time.observe(decode)
-        self.request_inference_time.observe(stats.last_token_ts - stats.scheduled_ts)
+        self.observe("vllm:request_queue_time_seconds", stats.scheduled_ts - stats.queued_ts)
+        self.observe("vllm:request_prefill_time_seconds", stats.first_token_ts - stats.scheduled_ts)
+        self.observe("vllm:request_decode_time_seconds", decode)
+        self.observe("vllm:request_inference_time_seconds", stats.last_token_ts - stats.scheduled_ts)
         num_decoded = stats.num_generation_tokens - 1  # the prefill's token is no decode's
-        self.request_time_per_output_token.observe(decode / num_decoded if num_decoded > 0 else 0.0)
+        self.observe("vllm:request_time_per_output_token_seconds", decode / num_decoded if num_decoded > 0 else 0.0)
+
+    def observe(self, name: str, value: float) -> None:
+        """Observe ``value`` in histogram ``name`` (one of :data:`HISTOGRAMS`)."""
+        self.histograms[name].observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
