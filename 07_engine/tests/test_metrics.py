@@ -12,12 +12,15 @@ import json
 import re
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+import test_server_protocol
 from test_parallel_sampling import PROMPT, tiny_llm
+from test_server_protocol import ScriptedEngine
 from vllm_from_scratch.api_server import build_app
 from vllm_from_scratch.engine import LLMEngine
 from vllm_from_scratch.errors import ParameterError
@@ -32,6 +35,7 @@ MODEL = "tiny"
 # Grafana's variables, as a dashboard user would pick them for this server.
 VARIABLES = {"$model_name": MODEL, "$Deployment_id": MODEL}
 HISTOGRAM_PARTS = ("_bucket", "_count", "_sum")
+tokenizer = test_server_protocol.tokenizer
 
 
 # ---- the families, as vLLM 0.32 exposes them ------------------------------------------------------
@@ -162,6 +166,16 @@ def test_http_and_process_families_as_vllm(served):
     assert 'http_requests_total{handler="/v1/completions",method="POST",status="2xx"} 2.0' in text
     assert 'http_request_duration_seconds_count{handler="/v1/completions",method="POST"}' in text
     assert 'handler="/health"' not in text, "vLLM leaves probes and the scrape out"
+
+
+def test_disable_log_stats_leaves_the_process_and_http_families(tokenizer):
+    engine = ScriptedEngine(tokenizer)
+    engine.config = SimpleNamespace(**vars(engine.config), disable_log_stats=True)
+    with TestClient(build_app(engine, MODEL)) as client:
+        assert client.post("/v1/completions", json={"prompt": [10, 11], "max_tokens": 2}).status_code == 200
+        text = client.get("/metrics").text
+    assert "vllm:" not in text and engine.stat_logger is None
+    assert "\nprocess_cpu_seconds_total" in text and "\nhttp_requests_total{" in text
 
 
 # ---- the per-request families' values, offline -----------------------------------------------------
