@@ -16,6 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 import test_server_protocol
@@ -223,6 +225,41 @@ def test_n_and_max_tokens_are_observed_per_request_and_per_completion(tiny_llama
     n = next(m for m in llm.get_metrics() if m.name == "vllm:request_params_n")
     assert n.buckets == {"1.0": 1, "2.0": 1, "5.0": 2, "10.0": 2, "20.0": 2, "+Inf": 2}
     assert n.labels == {"model_name": tiny_llama_dir, "engine": "0"}
+
+
+# (prompt length, n, max_tokens) per request; prompts share prefixes, so some hit the cache
+WORKLOADS = st.lists(st.tuples(st.integers(1, 40), st.integers(1, 3), st.integers(1, 12)), min_size=1, max_size=5)
+
+
+@pytest.mark.slow
+@settings(max_examples=6, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(workload=WORKLOADS, num_blocks=st.sampled_from([12, 64]))
+def test_the_families_agree_with_each_other_and_the_workload(tiny_llama_dir, workload, num_blocks):
+    """Whatever the requests (and a KV cache small enough to preempt), each count adds up:
+    by request, by completion, by token and by source; every preemption is one request's."""
+    llm = tiny_llm(tiny_llama_dir, num_kvcache_blocks=num_blocks, disable_log_stats=False)
+    prompts = [PROMPT[:length] for length, _, _ in workload]
+    params = [SamplingParams(n=n, max_tokens=m, ignore_eos=True) for _, n, m in workload]
+    llm.generate(prompts, params, use_tqdm=False)
+    completions = sum(n for _, n, _ in workload)
+    tokens = sum(n * m for _, n, m in workload)
+    prompt_tokens = value(llm, "vllm:prompt_tokens")
+    computed = value(llm, "vllm:prompt_tokens_by_source", source="local_compute")
+    cached = value(llm, "vllm:prompt_tokens_by_source", source="local_cache_hit")
+    assert prompt_tokens == sum(len(p) * n for p, (_, n, _) in zip(prompts, workload)) == computed + cached
+    assert value(llm, "vllm:prompt_tokens_cached") == cached
+    assert value(llm, "vllm:request_prefill_kv_computed_tokens") == (completions, computed)
+    assert value(llm, "vllm:generation_tokens") == tokens
+    assert value(llm, "vllm:request_generation_tokens") == (completions, tokens)
+    assert value(llm, "vllm:request_params_max_tokens") == (completions, tokens)
+    assert value(llm, "vllm:request_params_n") == (len(workload), completions)
+    assert value(llm, "vllm:request_max_num_generation_tokens") == (len(workload), sum(m for _, _, m in workload))
+    assert value(llm, "vllm:request_success", finished_reason="length") == completions
+    assert value(llm, "vllm:time_to_first_token_seconds")[0] == completions
+    assert value(llm, "vllm:inter_token_latency_seconds")[0] == tokens - completions  # one token a step
+    assert value(llm, "vllm:iteration_tokens_total")[1] == computed + tokens
+    assert value(llm, "vllm:request_num_preemptions") == (completions, value(llm, "vllm:num_preemptions"))
+    assert value(llm, "vllm:num_requests_running") == value(llm, "vllm:num_requests_waiting") == 0
 
 
 STEP_S = 0.2  # each step made at least this slow, so a step's place shows in the clocks
