@@ -292,6 +292,7 @@ def test_get_metrics_records_are_vllms(tiny_llama_dir):
     llm = tiny_llm(tiny_llama_dir, speculative_config=spec, disable_log_stats=False)
     llm.generate([PROMPT[:8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     records = {m.name: m for m in llm.get_metrics()}
+    assert [m.name for m in llm.llm_engine.get_metrics()] == [m.name for m in llm.get_metrics()], "vLLM's two ways"
     assert isinstance(records["vllm:num_requests_running"], Gauge)
     assert isinstance(records["vllm:generation_tokens"], Counter) and records["vllm:generation_tokens"].value == 8
     assert isinstance(records["vllm:e2e_request_latency_seconds"], Histogram)

@@ -42,6 +42,7 @@ from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.distributed import make_executor
 from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.input_processor import EngineCoreRequest, InputProcessor, eos_token_ids, load_tokenizer
+from vllm_from_scratch.metrics_reader import Metric, get_metrics_snapshot
 from vllm_from_scratch.model_runner import ModelRunner, ModelRunnerOutput
 from vllm_from_scratch.output_processor import OutputProcessor, OutputProcessorOutput
 from vllm_from_scratch.outputs import RequestOutput
@@ -430,6 +431,15 @@ class LLMEngine:
             registry=registry,
         )
         return self.stat_logger
+
+    def get_metrics(self) -> list[Metric]:
+        """Every ``vllm:`` series of :attr:`stat_logger` now, as vLLM's records
+        (:mod:`metrics_reader`); a ``ParameterError`` when no metrics are attached."""
+        if self.stat_logger is None:
+            raise ParameterError(
+                "disable_log_stats", "is on, so no metrics were recorded: make the LLM with disable_log_stats=False"
+            )
+        return get_metrics_snapshot(self.stat_logger.registry)
 
     def cache_config_info(self) -> dict[str, object]:
         """The labels of vLLM's ``vllm:cache_config_info`` that have a meaning here, by vLLM's

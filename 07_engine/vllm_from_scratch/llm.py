@@ -16,7 +16,7 @@ from vllm_from_scratch.chat_utils import render_chat
 from vllm_from_scratch.engine import LLMEngine
 from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.input_processor import ParsedPrompt, PromptType, describe, parse_prompts
-from vllm_from_scratch.metrics_reader import Metric, get_metrics_snapshot
+from vllm_from_scratch.metrics_reader import Metric
 from vllm_from_scratch.outputs import RequestOutput
 from vllm_from_scratch.sampling_params import RequestOutputKind, SamplingParams
 
@@ -193,12 +193,7 @@ class LLM:
     def get_metrics(self) -> list[Metric]:
         """Every ``vllm:`` series now, as vLLM's records (:mod:`metrics_reader`): the same
         registry the server's ``/metrics`` would show. Needs ``disable_log_stats=False``."""
-        stat_logger = self.llm_engine.stat_logger
-        if stat_logger is None:
-            raise ParameterError(
-                "disable_log_stats", "is on, so no metrics were recorded: make the LLM with disable_log_stats=False"
-            )
-        return get_metrics_snapshot(stat_logger.registry)
+        return self.llm_engine.get_metrics()
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
