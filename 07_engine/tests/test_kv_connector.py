@@ -57,19 +57,19 @@ def test_a_forgotten_prefix_is_loaded_from_the_pool_with_identical_output(tiny_l
 
 
 def test_metrics_count_the_pool_only_where_there_is_one(tiny_llama_dir):
-    from vllm_from_scratch.metrics import ServerMetrics
+    from vllm_from_scratch.metrics import EngineMetrics
 
     llm = pooled_llm(tiny_llama_dir)
     llm.generate([SHARED + [7]], GREEDY, use_tqdm=False)
     forget_local_cache(llm)
     llm.generate([SHARED + [9]], GREEDY, use_tqdm=False)
-    text = ServerMetrics("m", llm.llm_engine.get_stats).render().decode()
+    text = EngineMetrics("m", llm.llm_engine.get_stats).render().decode()
     block_bytes = llm.llm_engine.executor.runner.kv_worker.block_bytes
-    assert 'vllm:kv_pool_hits_total{model_name="m"} 40.0' in text
-    assert f'vllm:kv_pool_loaded_bytes_total{{model_name="m"}} {5.0 * block_bytes}' in text
-    assert 'vllm:kv_pool_load_failures_total{model_name="m"} 0.0' in text
+    assert 'vllm:kv_pool_hits_total{engine="0",model_name="m"} 40.0' in text
+    assert f'vllm:kv_pool_loaded_bytes_total{{engine="0",model_name="m"}} {5.0 * block_bytes}' in text
+    assert 'vllm:kv_pool_load_failures_total{engine="0",model_name="m"} 0.0' in text
     plain = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", enforce_eager=True)
-    assert "kv_pool" not in ServerMetrics("m", plain.llm_engine.get_stats).render().decode()
+    assert "kv_pool" not in EngineMetrics("m", plain.llm_engine.get_stats).render().decode()
 
 
 def test_the_request_waits_for_remote_kvs_then_runs(tiny_llama_dir):

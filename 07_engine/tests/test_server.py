@@ -55,7 +55,7 @@ def client(base_url):
     return openai.OpenAI(base_url=base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def metric(base_url: str, name: str, labels: str = f'model_name="{MODEL}"') -> float:
+def metric(base_url: str, name: str, labels: str = f'engine="0",model_name="{MODEL}"') -> float:
     text = httpx.get(base_url + "/metrics").text
     match = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
     assert match, f"{name}{{{labels}}} missing from /metrics"
@@ -245,8 +245,9 @@ def test_client_timeout_on_a_non_streamed_request_aborts_it(base_url):
 
 def _abort_count(base_url: str) -> float:
     text = httpx.get(base_url + "/metrics").text
-    match = re.search(r'^vllm:request_success_total\{finished_reason="abort",[^}]*\} (\S+)$', text, re.M)
-    return float(match.group(1)) if match else 0.0
+    match = re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', text, re.M)
+    assert match, "vllm:request_success_total{finished_reason=abort} missing from /metrics"
+    return float(match.group(1))
 
 
 def test_metrics_after_traffic(client, base_url):

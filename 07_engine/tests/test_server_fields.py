@@ -357,7 +357,7 @@ def test_generation_config_defaults_fill_what_a_request_leaves_unset(engine, che
 def test_vllm_request_metric_families_after_a_request(client):
     client.post("/v1/completions", json={"prompt": [10, 11, 12], "max_tokens": 4})
     text = client.get("/metrics").text
-    label = f'model_name="{MODEL}"'
+    label = f'engine="0",model_name="{MODEL}"'
     for name in (
         "vllm:request_queue_time_seconds",
         "vllm:request_prefill_time_seconds",

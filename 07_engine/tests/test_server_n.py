@@ -9,15 +9,12 @@ engine reports with completion 0 only. Against the real engine (a server process
 default model, driven by the official ``openai`` client): completion ``k`` of a seeded request is
 the single request with ``seed + k`` (the engine's derivation), streamed or not, in both
 endpoints, with logprobs and echo; a client that disconnects mid-stream aborts every completion
-and the engine frees every block. Last, ``AsyncLLM`` times a request with ``n`` > 1 from its
-first step, as it times any other.
+and the engine frees every block.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from collections import defaultdict
 
 import httpx
@@ -27,15 +24,10 @@ from fastapi.testclient import TestClient
 
 import test_server_protocol
 from server_testing import ServerProcess
-from test_parallel_sampling import PROMPT as TOKEN_PROMPT
-from test_parallel_sampling import tiny_llm
 from test_server import _abort_count, _assert_idle_soon
 from test_server_logprobs import made_up_entry, offsets, post, stream_chunks
 from test_server_protocol import MODEL, ScriptedEngine
 from vllm_from_scratch.api_server import build_app
-from vllm_from_scratch.async_llm import AsyncLLM
-from vllm_from_scratch.metrics import ServerMetrics
-from vllm_from_scratch.sampling_params import SamplingParams
 
 HI = [{"role": "user", "content": "hi"}]
 PROMPTS = [[20, 21, 22], [30, 31]]
@@ -319,43 +311,3 @@ def test_disconnect_mid_stream_aborts_every_completion(base_url):
     assert {c["choices"][0]["index"] for c in received} == {0, 1}, "both completions were running"
     _assert_idle_soon(base_url)  # nothing runs and every KV block is back
     assert _abort_count(base_url) == aborted_before + 2, "each completion counts as aborted"
-
-
-# ---- AsyncLLM's phases for a request with n > 1 -----------------------------------------------------
-
-STEP_S = 0.2  # each step made at least this slow, so a step's place shows in the clocks
-
-
-def test_queue_time_of_n_ends_at_its_first_step(tiny_llama_dir):
-    """Completion 0 prefills the prompt in three chunks before any output comes. The request is
-    scheduled at the first of them: queued for well under a step, prefilling for three."""
-    engine = tiny_llm(tiny_llama_dir, enable_chunked_prefill=True, max_num_batched_tokens=16).llm_engine
-    step = engine.step
-
-    def slow_step():
-        time.sleep(STEP_S)
-        return step()
-
-    engine.step = slow_step
-    metrics = ServerMetrics("m", engine.get_stats)
-    llm = AsyncLLM(engine, metrics)
-    llm.start()
-    params = SamplingParams(n=2, max_tokens=2, ignore_eos=True)
-
-    async def run() -> None:
-        stream = await llm.add_request("r", TOKEN_PROMPT, params)
-        async for _ in stream:
-            pass
-
-    try:
-        asyncio.run(asyncio.wait_for(run(), timeout=60))
-    finally:
-        llm.shutdown()
-
-    def seconds(name: str) -> float:
-        value = metrics.registry.get_sample_value(f"vllm:request_{name}_time_seconds_sum", {"model_name": "m"})
-        assert value is not None
-        return value / 2  # both completions observe the request's phases
-
-    assert seconds("queue") < STEP_S, "the queue ends when the first chunk of the prompt is scheduled"
-    assert seconds("prefill") >= 3 * STEP_S, "three chunks of 16, 16 and 11 tokens before the first token"

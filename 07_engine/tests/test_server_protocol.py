@@ -25,6 +25,7 @@ from vllm_from_scratch.api_server import build_app, default_max_request_bytes
 from vllm_from_scratch.async_llm import AsyncLLM, build_engine
 from vllm_from_scratch.default_model import default_model_dir
 from vllm_from_scratch.input_processor import EngineCoreRequest, InputProcessor
+from vllm_from_scratch.metrics import EngineMetrics
 from vllm_from_scratch.openai_protocol import APIError, CompletionRequest
 from vllm_from_scratch.outputs import CompletionOutput, RequestOutput
 from vllm_from_scratch.sampling_params import RequestOutputKind
@@ -41,7 +42,9 @@ class ScriptedEngine:
     """Echoes each prompt's token ids back, one per step, until ``max_tokens``. With ``n`` > 1,
     completion ``k`` starts ``k`` tokens into the prompt, and its outputs carry its ``index``
     under the request's id, as ``LLMEngine`` reports a parent's children. Records follow the
-    request's ``output_kind`` (the server asks for deltas)."""
+    request's ``output_kind`` (the server asks for deltas). Like ``LLMEngine`` it reports each
+    completion's life to the metrics the server attaches (completion ``k`` is core request
+    ``"k/id"``; every step schedules every completion still running)."""
 
     max_model_len = 64
     vocab_size = 49152
@@ -54,6 +57,7 @@ class ScriptedEngine:
         scheduling_policy="priority",
     )
     tracer = None  # as an engine without step_trace: /viz adds its own tracer
+    stat_logger = None
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -83,17 +87,26 @@ class ScriptedEngine:
         self.priorities[rid] = request.priority
         self.params[rid] = params
         self.stats["prompt_tokens_total"] += len(prompt)
+        if self.stat_logger is not None:
+            for k in range(params.n):
+                self.stat_logger.request_added(
+                    f"{k}/{rid}", request.arrival_time, len(prompt), request.max_tokens, rid, params.n
+                )
         return rid
+
+    def attach_metrics(self, model_name, get_stats=None, registry=None):
+        self.stat_logger = EngineMetrics(model_name, get_stats or self.get_stats, self.max_model_len, registry=registry)
+        return self.stat_logger
 
     def abort_request(self, request_id):
         self.aborted.append(request_id)
-        self.requests.pop(request_id, None)
+        r = self.requests.pop(request_id, None)
+        if r is not None and self.stat_logger is not None:
+            for k in range(len(r["outs"])):
+                self.stat_logger.request_finished(f"{k}/{request_id}", "abort", time.time())
 
     def has_unfinished_requests(self):
         return bool(self.requests)
-
-    def has_started(self, request_id):
-        return request_id in self.requests
 
     def step(self):
         time.sleep(self.step_delay)
@@ -106,7 +119,19 @@ class ScriptedEngine:
                     outputs.append(self._next_output(rid, r, k, out))
             if all(len(out) >= r["max_tokens"] for out in r["outs"]):
                 del self.requests[rid]
+        if self.stat_logger is not None:
+            self._report(outputs)
         return self.mark_finished(outputs)
+
+    def _report(self, outputs):
+        now = time.monotonic()
+        cores = [(f"{c.index}/{out.request_id}", c) for out in outputs for c in out.outputs]
+        for core, _ in cores:
+            self.stat_logger.request_scheduled(core, 0, now)
+        self.stat_logger.step_tokens([(core, 1, 0) for core, _ in cores], now, time.time())
+        for core, completion in cores:
+            if completion.finish_reason is not None:
+                self.stat_logger.request_finished(core, completion.finish_reason, time.time())
 
     def mark_finished(self, outputs):
         """A request's ``finished`` on its last record, once every completion has ended."""
@@ -337,7 +362,7 @@ def test_unknown_route_gets_an_error_body(client):
 def test_metrics_use_vllm_names_and_count_requests(client, engine):
     client.post("/v1/completions", json={"prompt": [10, 11], "max_tokens": 3})
     text = client.get("/metrics").text
-    label = f'{{model_name="{MODEL}"}}'
+    label = f'{{engine="0",model_name="{MODEL}"}}'
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert f"# TYPE {name} gauge" in text
         assert f"{name}{label} 0.0" in text
@@ -348,7 +373,7 @@ def test_metrics_use_vllm_names_and_count_requests(client, engine):
     assert f"vllm:time_to_first_token_seconds_count{label} 1.0" in text
     assert f"vllm:inter_token_latency_seconds_count{label} 2.0" in text
     assert f"vllm:e2e_request_latency_seconds_count{label} 1.0" in text
-    assert f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}} 1.0' in text
+    assert f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="{MODEL}"}} 1.0' in text
 
 
 def test_two_apps_have_separate_registries(tokenizer):
@@ -357,8 +382,8 @@ def test_two_apps_have_separate_registries(tokenizer):
         TestClient(build_app(ScriptedEngine(tokenizer), "b")) as b,
     ):
         a.post("/v1/completions", json={"prompt": [10], "max_tokens": 2})
-        assert 'vllm:generation_tokens_total{model_name="a"} 2.0' in a.get("/metrics").text
-        assert 'vllm:generation_tokens_total{model_name="b"} 0.0' in b.get("/metrics").text
+        assert 'vllm:generation_tokens_total{engine="0",model_name="a"} 2.0' in a.get("/metrics").text
+        assert 'vllm:generation_tokens_total{engine="0",model_name="b"} 0.0' in b.get("/metrics").text
 
 
 def test_dead_engine_loop_fails_requests_and_health(client):

@@ -7,7 +7,9 @@
 * ``GET  /health``, ``/ping``     200 while the engine loop lives, 503 once it died (``/ping``
   also answers POST, as vLLM's);
 * ``GET  /version``              ``{"version": ...}``;
-* ``GET  /metrics``              Prometheus text with vLLM's metric names.
+* ``GET  /metrics``              Prometheus text with vLLM's metric names: the engine's
+  ``vllm:`` families, the process's (``process_*``, ``python_*``) and the HTTP ones
+  (``http_*``, from prometheus-fastapi-instrumentator, set up as vLLM sets it up).
 
 Three guards, ASGI middleware in front of every route, answer before FastAPI reads the body:
 the API key (:class:`APIKeyMiddleware`), the size limit (:class:`RequestSizeLimitMiddleware`) and
@@ -29,6 +31,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, generate_latest
+from prometheus_fastapi_instrumentator import Instrumentator
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,7 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vllm_from_scratch.async_llm import AsyncLLM
 from vllm_from_scratch.config import ServingLimits
-from vllm_from_scratch.metrics import CONTENT_TYPE, ServerMetrics
+from vllm_from_scratch.metrics import CONTENT_TYPE
 from vllm_from_scratch.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -63,6 +67,8 @@ if TYPE_CHECKING:
 # /ping and /version are vLLM's probes, open there too. (vLLM leaves every path outside /v1
 # open, /tokenize included; here those need the key: a stranger's tokenize is CPU time.)
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+# Paths whose requests the http_* families leave out (vLLM's list: probes and the scrape itself).
+UNINSTRUMENTED_PATHS = ["/metrics", "/health", "/load", "/ping", "/version", "/server_info"]
 
 
 def _version() -> str:
@@ -109,8 +115,10 @@ def build_app(
     (:func:`serving.generation_config_defaults`). ``limits``: what one request may ask for
     (:class:`config.ServingLimits`; default: its defaults).
     """
-    metrics = ServerMetrics(served_model_name, lambda: llm.stats, engine.max_model_len)
-    llm = AsyncLLM(engine, metrics)
+    llm = AsyncLLM(engine)
+    registry = metrics_registry()
+    if not getattr(engine.config, "disable_log_stats", False):
+        engine.attach_metrics(served_model_name, lambda: llm.stats, registry)
     serving = OpenAIServing(
         llm,
         served_model_name,
@@ -179,7 +187,9 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE)
+
+    Instrumentator(excluded_handlers=UNINSTRUMENTED_PATHS, registry=registry).add().instrument(app)
 
     add_viz_routes(app, engine)
     add_error_handlers(app)
@@ -192,6 +202,16 @@ def build_app(
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
+
+
+def metrics_registry() -> CollectorRegistry:
+    """A server's registry, with what ``prometheus_client``'s global one holds by default (the
+    process, platform and garbage-collector families): per server, so that two servers in one
+    process keep their own counts, and the process families appear once in each."""
+    registry = CollectorRegistry()
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
+    return registry
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -20,12 +20,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm_from_scratch.input_processor import EngineCoreRequest
-from vllm_from_scratch.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from vllm_from_scratch.engine import LLMEngine
-    from vllm_from_scratch.metrics import ServerMetrics
-    from vllm_from_scratch.outputs import CompletionOutput, RequestOutput
+    from vllm_from_scratch.outputs import RequestOutput
     from vllm_from_scratch.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -77,30 +75,6 @@ class _Stream:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    arrival: float
-    last_token_time: float | None = None
-    # For vLLM's per-phase metrics: the start of the first step that scheduled the request (the
-    # engine's step is the grain of scheduling), its first token's time, its max_tokens.
-    scheduled: float | None = None
-    first_token_time: float | None = None
-    max_tokens: int | None = None
-    # SamplingParams.n and output_kind, once the request is processed; what each completion has
-    # generated so far, and how many have finished.
-    n: int = 1
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    num_tokens: dict[int, int] = field(default_factory=dict)
-    num_finished: int = 0
-
-    def count_tokens(self, completion: CompletionOutput) -> int:
-        """Fold ``completion`` in; the tokens it brings that the stream had not seen."""
-        seen = self.num_tokens.get(completion.index, 0)
-        now = (
-            seen + len(completion.token_ids)
-            if self.output_kind == RequestOutputKind.DELTA
-            else len(completion.token_ids)
-        )
-        self.num_tokens[completion.index] = now
-        return now - seen
 
 
 @dataclass
@@ -153,21 +127,17 @@ class RequestStream:
 class AsyncLLM:
     """Runs ``engine`` in one background thread and serves its outputs to asyncio tasks.
 
-    ``metrics`` (a :class:`metrics.ServerMetrics`, optional) receives time to first token,
-    inter-token and end-to-end latencies, observed in the engine thread the moment an output
-    leaves ``step()``, so the numbers do not include the HTTP side's scheduling jitter; and
-    vLLM's per-request phases (queue, prefill, decode, inference), token counts and tokens per
-    step, timed here from the steps, so the engine itself keeps no clocks for them.
+    ``stats`` is the engine's ``get_stats()`` snapshot, taken on the engine thread after each
+    step, for ``/metrics`` to read from any thread (the engine's own stat logger, if any, hears
+    of each request on the engine thread).
     """
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.metrics = metrics
         self.stats: dict = dict(engine.get_stats())
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
-        self._unscheduled: set[str] = set()  # accepted, never yet in a step that computed for it
         self._failed_steps = 0  # steps that raised, in a row
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -204,7 +174,7 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop=loop, queue=asyncio.Queue(), arrival=time.perf_counter())
+        stream = _Stream(loop=loop, queue=asyncio.Queue())
         accepted = loop.create_future()
         self._commands.put(_Add(request_id, prompt, params, priority, stream, accepted))
         try:
@@ -225,14 +195,9 @@ class AsyncLLM:
             while True:
                 if not self._apply_commands(block=not self.engine.has_unfinished_requests()):
                     return
-                stepped = self.engine.has_unfinished_requests()
-                if stepped:
-                    step_start = time.perf_counter()
-                    self._dispatch(self._step(), step_start)
-                stats = dict(self.engine.get_stats())
-                if stepped:
-                    self._observe_step(stats)
-                self.stats = stats
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self._step())
+                self.stats = dict(self.engine.get_stats())
         except BaseException as exc:  # noqa: BLE001 - any crash must reach the clients
             log.exception("engine loop died")
             self.error = exc
@@ -290,97 +255,26 @@ class AsyncLLM:
         except Exception as exc:  # noqa: BLE001 - handed to the caller, the loop lives on
             _resolve(command.stream.loop, command.accepted, exc)
             return
-        stream = command.stream
-        self._streams[request.request_id] = stream
-        self._unscheduled.add(request.request_id)
-        params = request.sampling_params
-        stream.n, stream.output_kind, stream.max_tokens = params.n, params.output_kind, request.max_tokens
-        _resolve(stream.loop, command.accepted, None)
+        self._streams[request.request_id] = command.stream
+        _resolve(command.stream.loop, command.accepted, None)
 
     def _abort(self, request_id: str) -> None:
-        self._unscheduled.discard(request_id)
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return
-        self.engine.abort_request(request_id)
-        if self.metrics is not None:
-            for _ in range(stream.n - stream.num_finished):  # per completion, as finished ones count
-                self.metrics.request_finished("abort")
+        if self._streams.pop(request_id, None) is not None:
+            self.engine.abort_request(request_id)
 
-    def _dispatch(self, outputs: list[RequestOutput], step_start: float | None = None) -> None:
-        now = time.perf_counter()
-        step_start = now if step_start is None else step_start
-        produced = {out.request_id for out in outputs}
-        for request_id in list(self._unscheduled):
-            # Scheduled in this step if it produced an output or the engine computed some of its
-            # prompt (a chunked prefill's first chunk produces no output).
-            if request_id in produced or self.engine.has_started(request_id):
-                self._unscheduled.discard(request_id)
-                if (stream := self._streams.get(request_id)) is not None:
-                    stream.scheduled = step_start
-        stepped: set[str] = set()  # n > 1: a step's tokens of several completions are one step
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted by its client while the step ran
-            for completion in out.outputs:
-                if stream.count_tokens(completion) and out.request_id not in stepped:
-                    stepped.add(out.request_id)
-                    self._observe_token_step(stream, now)
-                if completion.finished():
-                    stream.num_finished += 1
-                    if self.metrics is not None:
-                        self.metrics.e2e_request_latency.observe(now - stream.arrival)
-                        self.metrics.request_finished(completion.finish_reason or "stop")
-                        if completion.finish_reason not in ("abort", "error"):
-                            self._observe_finished(stream, out, completion)
             if out.finished:
                 del self._streams[out.request_id]
-                self._unscheduled.discard(out.request_id)
             _push(stream, out)
-
-    def _observe_finished(self, stream: _Stream, out: RequestOutput, completion: CompletionOutput) -> None:
-        """vLLM's per-request histograms, observed when a completion finishes (as vLLM does)."""
-        assert self.metrics is not None
-        m = self.metrics
-        m.request_prompt_tokens.observe(len(out.prompt_token_ids))
-        m.request_generation_tokens.observe(stream.num_tokens.get(completion.index, 0))
-        if stream.max_tokens is not None:
-            m.request_params_max_tokens.observe(stream.max_tokens)
-        if stream.scheduled is None:
-            return
-        m.request_queue_time.observe(stream.scheduled - stream.arrival)
-        if stream.first_token_time is not None and stream.last_token_time is not None:
-            m.request_prefill_time.observe(stream.first_token_time - stream.scheduled)
-            m.request_decode_time.observe(stream.last_token_time - stream.first_token_time)
-            m.request_inference_time.observe(stream.last_token_time - stream.scheduled)
-
-    def _observe_step(self, stats: dict) -> None:
-        """Tokens of one step (vLLM's ``iteration_tokens_total``): the engine's prompt and
-        generation counters since the last step (a prompt counts when its prefill completes,
-        as in vLLM's engine stats)."""
-        if self.metrics is None:
-            return
-        before = self.stats.get("prompt_tokens_total", 0) + self.stats.get("generation_tokens_total", 0)
-        tokens = stats.get("prompt_tokens_total", 0) + stats.get("generation_tokens_total", 0) - before
-        if tokens > 0:
-            self.metrics.iteration_tokens.observe(tokens)
-
-    def _observe_token_step(self, stream: _Stream, now: float) -> None:
-        if self.metrics is not None:
-            if stream.last_token_time is None:
-                self.metrics.time_to_first_token.observe(now - stream.arrival)
-            else:
-                self.metrics.inter_token_latency.observe(now - stream.last_token_time)
-        if stream.first_token_time is None:
-            stream.first_token_time = now
-        stream.last_token_time = now
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():
             _push(stream, exc)
         self._streams.clear()
-        self._unscheduled.clear()
         while True:
             try:
                 command = self._commands.get_nowait()

@@ -229,6 +229,11 @@ class EngineConfig:
         "runs as fast as the tenth (seconds at start-up on a CPU)",
         True,
     )
+    disable_log_stats: bool = setting(
+        "record no vllm: metrics (vLLM's flag; the server's /metrics keeps its HTTP and process "
+        "families). The offline LLM turns it on unless asked (LLM.get_metrics needs it off)",
+        False,
+    )
     step_trace: str | None = setting(
         "write one JSON line per engine step to this file (docs/step_trace.md); None: no trace, no cost"
     )

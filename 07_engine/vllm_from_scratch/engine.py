@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -42,6 +42,7 @@ from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.distributed import make_executor
 from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.input_processor import EngineCoreRequest, InputProcessor, eos_token_ids, load_tokenizer
+from vllm_from_scratch.metrics_reader import Metric, get_metrics_snapshot
 from vllm_from_scratch.model_runner import ModelRunner, ModelRunnerOutput
 from vllm_from_scratch.output_processor import OutputProcessor, OutputProcessorOutput
 from vllm_from_scratch.outputs import RequestOutput
@@ -51,7 +52,10 @@ from vllm_from_scratch.sampling_params import SamplingParams
 from vllm_from_scratch.step_trace import StepTracer
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from vllm_from_scratch.kv_connector import KVConnectorScheduler
+    from vllm_from_scratch.metrics import EngineMetrics
     from vllm_from_scratch.spec_decoding import DraftProposer
 
 log = logging.getLogger(__name__)
@@ -62,7 +66,9 @@ class LLMEngine:
 
     Takes ``LLM``'s arguments (:class:`vllm_from_scratch.config.EngineConfig`). Besides its
     methods the server reads ``config``, ``max_model_len``, ``tokenizer`` (Hugging Face's, or
-    None for a checkpoint without one) and ``input_processor``.
+    None for a checkpoint without one) and ``input_processor``. Its owner may set
+    ``stat_logger`` (a :class:`metrics.EngineMetrics`), which then hears of every request's
+    arrival, scheduling, tokens and end, on the engine's thread.
     """
 
     def __init__(self, model_dir: str, **kwargs: Any):
@@ -85,6 +91,13 @@ class LLMEngine:
         self._step_output = OutputProcessorOutput()  # the step in progress: what it reports so far
         self._step_requests: list[Request] = []  # ... and the requests it scheduled
         self._step_start = 0.0
+        self.stat_logger: EngineMetrics | None = None
+        # Speculative decoding, for vLLM's counters: steps that verified drafts for a request, and
+        # the drafts accepted at each position (the scheduler counts the tokens).
+        self.spec_num_drafts = 0
+        self.spec_accepted_per_pos = [0] * (
+            self.config.speculative.num_speculative_tokens if self.config.speculative else 0
+        )
         self.tracer = StepTracer(self, self.config.step_trace) if self.config.step_trace else None
         self.warm_up_s = self.warm_up() if self.config.warm_up else 0.0
 
@@ -95,8 +108,15 @@ class LLMEngine:
         (a caller that goes on then calls :meth:`recover_from_failed_step`)."""
         self._begin_step()  # the ends since the last step, parked children, remote K/V, drafts
         scheduler_output = self.scheduler.schedule()
+        if self.stat_logger is not None:
+            now = time.monotonic()
+            for req in scheduler_output.scheduled_requests:
+                self.stat_logger.request_scheduled(req.request_id, req.num_preemptions, now)
         model_output = self._execute_model(scheduler_output)
         engine_core_outputs = self._update_from_output(scheduler_output, model_output)
+        if self.stat_logger is not None:
+            tokens = [(o.request_id, len(o.new_token_ids), o.num_cached_tokens) for o in engine_core_outputs]
+            self.stat_logger.step_tokens(tokens, time.monotonic(), time.time())
         processed = self.output_processor.process_outputs(engine_core_outputs, model_output)
         self._step_output.extend(processed)
         for request_id in processed.reqs_to_stop:  # a stop string ends the request in the scheduler too
@@ -131,11 +151,17 @@ class LLMEngine:
         undrawable = [rid for rid, tokens in sampled.items() if NO_TOKEN in tokens]
         for rid in undrawable:
             del sampled[rid]
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            if drafts and rid in sampled:
+                self.spec_num_drafts += 1
+                for pos in range(len(sampled[rid]) - 1):
+                    self.spec_accepted_per_pos[pos] += 1
         self._fail(undrawable, "no token to draw: every logit was -inf (all banned) or NaN")
         return self.scheduler.update_from_output(scheduler_output, sampled)
 
     def _end_step(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput) -> list[RequestOutput]:
         output = self._step_output
+        self._record_finished(output)
         if self.drafter is not None:
             self.drafter.release(scheduler_output.finished_request_ids | set(output.finished))
         if self.tracer is not None and not scheduler_output.is_empty():
@@ -156,7 +182,14 @@ class LLMEngine:
             raise exc
         self._fail([r.request_id for r in self._step_requests], f"its step failed: {exc!r}")
         output, self._step_output, self._step_requests = self._step_output, OutputProcessorOutput(), []
+        self._record_finished(output)
         return output.request_outputs
+
+    def _record_finished(self, output: OutputProcessorOutput) -> None:
+        if self.stat_logger is not None:
+            now = time.time()
+            for rid, completion in output.finished.items():
+                self.stat_logger.request_finished(rid, completion.finish_reason or "stop", now)
 
     def _fail(self, request_ids: Sequence[str], why: str) -> None:
         """End live requests ``request_ids`` with finish reason "error" (their blocks go back);
@@ -184,7 +217,11 @@ class LLMEngine:
         the requests then run with whatever arrived (the rest is computed)."""
         loads = connector.take_pending_loads()
         if loads:
-            self.scheduler.finish_remote_loads(self.executor.call("load_kv", loads))
+            loaded = self.executor.call("load_kv", loads)
+            if self.stat_logger is not None:
+                for rid, num_tokens in loaded.items():
+                    self.stat_logger.request_loaded(rid, num_tokens)
+            self.scheduler.finish_remote_loads(loaded)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -251,6 +288,15 @@ class LLMEngine:
     ) -> None:
         for index, (request, _) in enumerate(core_requests):
             self.output_processor.add_request(request, parent, index)
+            if self.stat_logger is not None:
+                self.stat_logger.request_added(
+                    request.request_id,
+                    request.arrival_time,
+                    len(request.prompt_token_ids),
+                    request.max_tokens,
+                    parent.request_id if parent is not None else None,
+                    len(core_requests),
+                )
         (_, first), *rest = core_requests
         self.scheduler.add_request(first)
         bm = self.block_manager
@@ -267,7 +313,9 @@ class LLMEngine:
         ones included; each is reported with its ``index``.
         """
         aborted = [rid for rid in self.output_processor.core_request_ids(request_id) if self._abort(rid)]
-        self._pending.extend(self.output_processor.end_requests(aborted, "abort"))
+        ended = self.output_processor.end_requests(aborted, "abort")
+        self._record_finished(ended)  # now: an idle engine takes no step to report them
+        self._pending.extend(ended)
         return bool(aborted)
 
     def _abort(self, request_id: str) -> bool:
@@ -291,13 +339,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_requests() or any(group.parked for group in self._forking)
-
-    def has_started(self, request_id: str) -> bool:
-        """Whether a step has computed part of request ``request_id`` (of its completion 0 when
-        it has ``n``): the server times a request's wait in the queue with it."""
-        core_ids = self.output_processor.core_request_ids(request_id)
-        req = self.scheduler.requests.get(core_ids[0]) if core_ids else None
-        return req is not None and req.num_computed_tokens > 0
 
     # ------------------------------------------------------------------ construction
     def _make_block_manager(self, num_blocks: int) -> BlockManager:
@@ -349,22 +390,71 @@ class LLMEngine:
     def get_stats(self) -> dict:
         """Gauges and counters for ``/metrics`` (vLLM's meanings)."""
         s = self.scheduler.get_stats()
+        num_deferred = sum(len(group.parked) for group in self._forking)
         return {
             "num_requests_running": s["num_running"],
-            "num_requests_waiting": s["num_waiting"] + sum(len(group.parked) for group in self._forking),
+            "num_requests_waiting": s["num_waiting"] + num_deferred,
+            "num_requests_deferred": num_deferred,
             "kv_cache_usage": s["kv_cache_usage"],
             "prefix_cache_queries": s.get("prefix_cache_queries", 0),
             "prefix_cache_hits": s.get("prefix_cache_hits", 0),
             "prompt_tokens_total": self.output_processor.prompt_tokens_total,
             "generation_tokens_total": self.output_processor.generation_tokens_total,
             "num_preemptions_total": s["num_preemptions"],
+            "spec_decode_num_drafts": self.spec_num_drafts,
             "spec_decode_num_draft_tokens": s["num_draft_tokens"],
             "spec_decode_num_accepted_tokens": s["num_accepted_tokens"],
+            "spec_decode_num_accepted_tokens_per_pos": list(self.spec_accepted_per_pos),
             **(
                 {}
                 if self.kv_connector is None
                 else {f"kv_pool_{k}": v for k, v in vars(self.kv_connector.stats).items()}
             ),
+        }
+
+    def attach_metrics(
+        self, model_name: str, get_stats: Callable[[], dict] | None = None, registry: CollectorRegistry | None = None
+    ) -> EngineMetrics:
+        """Start vLLM's metrics for this engine under ``model_name`` (the served name) and return
+        them: from now on the engine reports each request's life to them. ``get_stats`` is what
+        scrapes read (default :meth:`get_stats`; the server passes a snapshot taken on the
+        engine's thread); ``registry``, where the families go (default: their own)."""
+        from vllm_from_scratch.metrics import EngineMetrics
+
+        cfg = self.config
+        self.stat_logger = EngineMetrics(
+            model_name,
+            self.get_stats if get_stats is None else get_stats,
+            self.max_model_len,
+            self.cache_config_info(),
+            cfg.speculative.num_speculative_tokens if cfg.speculative is not None else None,
+            registry=registry,
+        )
+        return self.stat_logger
+
+    def get_metrics(self) -> list[Metric]:
+        """Every ``vllm:`` series of :attr:`stat_logger` now, as vLLM's records
+        (:mod:`metrics_reader`); a ``ParameterError`` when no metrics are attached."""
+        if self.stat_logger is None:
+            raise ParameterError(
+                "disable_log_stats", "is on, so no metrics were recorded: make the LLM with disable_log_stats=False"
+            )
+        return get_metrics_snapshot(self.stat_logger.registry)
+
+    def cache_config_info(self) -> dict[str, object]:
+        """The labels of vLLM's ``vllm:cache_config_info`` that have a meaning here, by vLLM's
+        names (its ``CacheConfig`` fields): "gpu" blocks are the engine's KV cache on any
+        device, and ``cache_dtype`` "auto" means the model's dtype, the only one it keeps."""
+        cfg = self.config
+        num_blocks = self.block_manager.num_blocks
+        return {
+            "block_size": cfg.kvcache_block_size,
+            "cache_dtype": "auto",
+            "enable_prefix_caching": cfg.enable_prefix_caching,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "num_cpu_blocks": None,
+            "num_gpu_blocks": num_blocks,
+            "kv_cache_size_tokens": num_blocks * cfg.kvcache_block_size,
         }
 
     def warm_up(self) -> float:

@@ -16,6 +16,7 @@ from vllm_from_scratch.chat_utils import render_chat
 from vllm_from_scratch.engine import LLMEngine
 from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.input_processor import ParsedPrompt, PromptType, describe, parse_prompts
+from vllm_from_scratch.metrics_reader import Metric
 from vllm_from_scratch.outputs import RequestOutput
 from vllm_from_scratch.sampling_params import RequestOutputKind, SamplingParams
 
@@ -61,11 +62,18 @@ class LLM:
             print(output.prompt, output.outputs[0].text)
 
     The book's shorthand from the source documents also works: ``outputs[0]["text"]``.
+
+    As in vLLM, offline use records no metrics unless asked: ``LLM(model,
+    disable_log_stats=False)`` records vLLM's ``vllm:`` families (labelled with ``model`` as the
+    model name), which :meth:`get_metrics` reads.
     """
 
     def __init__(self, model: str, **kwargs: Any):
+        kwargs.setdefault("disable_log_stats", True)
         self.llm_engine = LLMEngine(model, **kwargs)
         self.tokenizer = self.llm_engine.tokenizer
+        if not self.llm_engine.config.disable_log_stats:
+            self.llm_engine.attach_metrics(str(model))
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The Hugging Face tokenizer (None for a checkpoint without one: token-id prompts only)."""
@@ -181,6 +189,11 @@ class LLM:
         if key not in clones:
             clones[key] = (params or SamplingParams()).clone(output_kind=RequestOutputKind.FINAL_ONLY)
         return clones[key]
+
+    def get_metrics(self) -> list[Metric]:
+        """Every ``vllm:`` series now, as vLLM's records (:mod:`metrics_reader`): the same
+        registry the server's ``/metrics`` would show. Needs ``disable_log_stats=False``."""
+        return self.llm_engine.get_metrics()
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
