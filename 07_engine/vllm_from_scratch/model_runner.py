@@ -29,6 +29,7 @@ from vllm_from_scratch.loader import get_model
 from vllm_from_scratch.sampler import LogprobsLists, ProcessorEntries, Sampler, SamplingMetadata, gather_logprobs
 from vllm_from_scratch.sampling_params import SamplingParams
 from vllm_from_scratch.spec_decoding import RejectionSampler
+from vllm_from_scratch.vllm_env import bind_threads, thread_cores
 
 # Longest dummy prompt of the warm-up; a step at the token budget is several of them.
 WARM_UP_ROW = 256
@@ -173,6 +174,8 @@ class ModelRunner:
     ):
         self.config = config
         self.device = config.torch_device
+        if self.device.type == "cpu":
+            bind_threads(thread_cores(tp_rank, config.tensor_parallel_size))
         if self.device.type == "cuda" and config.tensor_parallel_size > 1:
             self.device = torch.device("cuda", tp_rank)  # rank r owns GPU r, whatever "cuda:N" said
         self.gpu = gpu if gpu is not None else GPUPlatform.for_device(self.device)
