@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -18,7 +19,10 @@ from transformers import PretrainedConfig
 from attention_backends import BACKENDS
 from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.loader import DTYPE_ALIASES, DTYPES, load_config, resolve_dtype
+from vllm_from_scratch.sampling_params import check_int
 from vllm_from_scratch.vllm_env import check_environment, cpu_kvcache_space_gib
+
+log = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # The server's token budget on a CPU. On the book's 2-core CPU a step carrying a prompt chunk
@@ -315,6 +319,17 @@ class EngineConfig:
         "runs as fast as the tenth (seconds at start-up on a CPU)",
         True,
     )
+    seed: int | None = setting(
+        "the engine's global random seed (vLLM's): a request without its own SamplingParams.seed "
+        "samples from the engine's random stream, which starts from this seed, so the same requests "
+        "in the same order give the same tokens on every run; None: a stream seeded by the OS",
+        0,
+    )
+    trust_remote_code: bool = setting(
+        "accepted for vLLM's scripts; the engine never runs a checkpoint's own Python: a config.json "
+        "that asks for it (auto_map) is read and run by the engine's own model classes, with a warning",
+        False,
+    )
     step_trace: str | None = setting(
         "write one JSON line per engine step to this file (docs/step_trace.md); None: no trace, no cost"
     )
@@ -353,6 +368,11 @@ class EngineConfig:
             raise ParameterError("attention_backend", f"must be one of {BACKENDS}, got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ParameterError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.seed is not None:
+            check_int("seed", self.seed, -(2**63), 2**64 - 1)
+        if not isinstance(self.trust_remote_code, bool):
+            raise ParameterError("trust_remote_code", f"must be true or false, got {self.trust_remote_code!r}")
+        self._warn_remote_code()
         if self.cpu_kvcache_space_gib is None:
             self.cpu_kvcache_space_gib = cpu_kvcache_space_gib()
         if self.cpu_kvcache_space_gib <= 0:
@@ -421,6 +441,22 @@ class EngineConfig:
                 f"={self.kv_cache_dtype!r}: the KV cache is kept in the model's dtype ({model_dtype}); "
                 "use 'auto' (quantized caches are not built)",
             )
+
+    def _warn_remote_code(self) -> None:
+        """Say what the engine does instead when the checkpoint asks for its own Python."""
+        auto_map = getattr(self.hf_config, "auto_map", None)
+        if not auto_map:
+            return
+        architecture = (getattr(self.hf_config, "architectures", None) or ["?"])[0]
+        log.warning(
+            "%s asks for remote code (config.json auto_map: %s); the engine runs no checkpoint code%s: it reads "
+            "the config with %s and runs its own %s (vllm_from_scratch.models) on the checkpoint's weights",
+            self.model_dir,
+            ", ".join(sorted(auto_map)),
+            ", trust_remote_code=True changes nothing" if self.trust_remote_code else "",
+            type(self.hf_config).__name__,
+            architecture,
+        )
 
     def _uses_flash_attn(self) -> bool:
         if self.torch_device.type != "cuda":
