@@ -149,7 +149,8 @@ def build_app(
             serving.shutdown()
             llm.shutdown()
 
-    app = FastAPI(title="vllm-from-scratch", lifespan=lifespan, root_path=root_path)
+    app = FastAPI(title="vllm-from-scratch", lifespan=lifespan)
+    app.root_path = root_path  # as vLLM sets it: routes answer with the prefix or without it
     app.state.serving = serving
 
     @app.post("/v1/completions")

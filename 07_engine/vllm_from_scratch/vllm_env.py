@@ -50,6 +50,10 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
             raise ParameterError(name, f"={value!r} cannot be honoured: it {why} (unset it, or set it to {default!r})")
     cpu_kvcache_space_gib(env)
     reserved_cpus(env)
+    binding = env.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if binding not in ("", "auto", "nobind"):
+        for cores in binding.split("|"):
+            parse_core_ids(cores)
     interval = env.get("VLLM_LOG_STATS_INTERVAL", "")
     if interval:
         _number("VLLM_LOG_STATS_INTERVAL", interval, float)
