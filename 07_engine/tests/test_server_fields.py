@@ -347,7 +347,8 @@ def test_generation_config_defaults_fill_what_a_request_leaves_unset(engine, che
         "temperature": 0.5,
         "min_p": 0.1,
     }
-    merged = serve.sampling_defaults(serve.parse_args([str(checkpoint_with_defaults), *override]), "x")
+    checkpoint = str(checkpoint_with_defaults)
+    merged = serve.sampling_defaults(serve.parse_args([checkpoint, *override]), checkpoint)
     assert merged == {**defaults, "temperature": 0.5, "min_p": 0.1}  # vLLM's rule: the override wins
     with TestClient(build_app(engine, MODEL, default_sampling_params=defaults)) as c:
         c.post("/v1/completions", json={"prompt": [10], "max_tokens": None, "request_id": "a"})
