@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from transformers import PretrainedConfig
@@ -491,11 +491,31 @@ class EngineConfig:
         return {f.name: getattr(args, f.name) for f in _settings(cls)}
 
 
+SettingsT = TypeVar("SettingsT", bound="CommandLineSettings")
+
+
+class CommandLineSettings:
+    """A settings dataclass the server's command line sets whole: its flags in one ``--help``
+    group (:func:`_add_setting_flags`), and the instance back from the parsed arguments."""
+
+    CLI_GROUP: ClassVar[str]  # the group's title in --help
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        _add_setting_flags(cls, parser.add_argument_group(f"{cls.CLI_GROUP} ({cls.__name__})"))
+
+    @classmethod
+    def from_cli_args(cls: type[SettingsT], args: argparse.Namespace) -> SettingsT:
+        return cls(**{f.name: getattr(args, f.name) for f in _settings(cls)})
+
+
 @dataclass(frozen=True)
-class ServingLimits:
+class ServingLimits(CommandLineSettings):
     """What one request may ask of a shared server (07_engine/topics/serving.md, "What a server
     owes its other clients"). A request over a limit is refused before any work, with a 400
     naming the field and the limit; the server's flags are generated from this list."""
+
+    CLI_GROUP = "request limits"
 
     max_logprobs: int = setting("most top logprobs per token a request may ask for (vLLM's --max-logprobs)", 20)
     max_completion_prompts: int = setting(
@@ -517,20 +537,14 @@ class ServingLimits:
         for f in _settings(type(self)):
             _positive_int(f.name, getattr(self, f.name))
 
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        _add_setting_flags(cls, parser.add_argument_group("request limits (ServingLimits)"))
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> ServingLimits:
-        return cls(**{f.name: getattr(args, f.name) for f in _settings(cls)})
-
 
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(CommandLineSettings):
     """The server's own settings (vLLM's frontend flags), in vLLM's spellings; the engine's are
     :class:`EngineConfig`'s and what one request may ask :class:`ServingLimits`'. The host is the
     one default the book keeps safer than vLLM's (which binds every interface)."""
+
+    CLI_GROUP = "server"
 
     host: str = setting(
         "address to bind: this machine only, where vLLM listens on every interface; --host 0.0.0.0 "
@@ -589,14 +603,6 @@ class ServerConfig:
         if self.resolved_log_level() not in LOG_LEVELS:
             level = self.resolved_log_level()
             raise ParameterError("VLLM_LOGGING_LEVEL", f"must be one of {LOG_LEVELS}, got {level!r}")
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        _add_setting_flags(cls, parser.add_argument_group("server (ServerConfig)"))
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:
-        return cls(**{f.name: getattr(args, f.name) for f in _settings(cls)})
 
     def resolved_log_level(self) -> str:
         return self.log_level or os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()
