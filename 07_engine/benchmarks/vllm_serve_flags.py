@@ -304,6 +304,8 @@ KEPT_NOTES = {
     "--max-num-batched-tokens": "default 128 for the server on a CPU (a step stays well under a second on 2 cores)",
     "--gpu-memory-utilization": "default 0.9 (vLLM: 0.92)",
     "--log-level": "any case (vLLM: capitals only); sets the engine's and the server's logging",
+    "--uvicorn-log-level": "default: as --log-level, so that --log-level warning quiets the access log too "
+    "(vLLM: info)",
     "--dtype": "auto is bfloat16 on a CPU only with bfloat16 in hardware, else float32",
     "--kv-cache-dtype": "auto, or the model's own dtype: vLLM's quantized caches stop the start naming the flag",
     "--pipeline-parallel-size": "1 only: a larger value stops the start naming the flag (split with -tp)",

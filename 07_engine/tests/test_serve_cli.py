@@ -134,6 +134,14 @@ def test_vllms_flags_parse_with_vllms_syntax(argv, expected):
     assert args["model"] == "./model"
 
 
+def test_uvicorn_logs_at_the_servers_level_unless_told(monkeypatch):
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    assert serve.parse_args(["m", "--log-level", "Warning"]).server.resolved_uvicorn_log_level() == "warning"
+    assert serve.parse_args(["m", "--uvicorn-log-level", "debug"]).server.resolved_uvicorn_log_level() == "debug"
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "error")
+    assert serve.parse_args(["m"]).server.resolved_log_level() == "ERROR"
+
+
 def test_a_value_the_parser_refuses_names_the_flag(capsys):
     for argv, flag in (
         (["-O4"], "-O"),

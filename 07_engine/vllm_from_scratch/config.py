@@ -579,8 +579,9 @@ class ServerConfig(CommandLineSettings):
         parse=log_level,
         choices=LOG_LEVELS,
     )
-    uvicorn_log_level: str = setting(
-        "uvicorn's logging level (its access log included)", "info", choices=UVICORN_LOG_LEVELS
+    uvicorn_log_level: str | None = setting(
+        "uvicorn's logging level (its access log included); None: as --log-level (vLLM's default: info)",
+        choices=UVICORN_LOG_LEVELS,
     )
     enable_log_requests: bool = setting("log each request as it arrives: its id, prompt length and sampling", False)
     disable_log_stats: bool = setting(
@@ -606,6 +607,11 @@ class ServerConfig(CommandLineSettings):
 
     def resolved_log_level(self) -> str:
         return self.log_level or os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()
+
+    def resolved_uvicorn_log_level(self) -> str:
+        """``--uvicorn-log-level``, else ``--log-level``'s in uvicorn's spelling (NOTSET: trace)."""
+        level = self.resolved_log_level().lower()
+        return self.uvicorn_log_level or ("trace" if level == "notset" else level)
 
 
 def flag_of(name: str) -> str:

@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             "to serve other machines",
             server.host,
         )
-    uvicorn.run(app, host=server.host, port=server.port, log_level=server.uvicorn_log_level)
+    uvicorn.run(app, host=server.host, port=server.port, log_level=server.resolved_uvicorn_log_level())
 
 
 def cli(argv: list[str] | None = None) -> None:
