@@ -1,4 +1,4 @@
-"""vLLM's ``serve`` flags beside ours: the table of the serving page (07_engine/topics/serving.md).
+"""vLLM's ``serve`` flags beside ours: the table of the deploying page (07_engine/topics/deploying.md).
 
 ``vllm serve --help`` lists about three hundred flags. Each one is, here, *kept* (our parser has
 it, with vLLM's meaning and value syntax), *refused by name* (our parser has it, and a value
@@ -11,7 +11,7 @@ own parser, built as ``vllm serve`` builds it, in vLLM's virtualenv, and kept in
     python 07_engine/benchmarks/vllm_serve_flags.py --check   # exit 1 if vLLM's parser differs from the copy
     python 07_engine/benchmarks/vllm_serve_flags.py           # print the table
 
-The table itself is a generated section of the serving page (``docs/hooks/book_pages.py``).
+The table itself is a generated section of that page (``docs/hooks/book_pages.py``).
 """
 
 from __future__ import annotations
@@ -381,8 +381,18 @@ def ours_only(vllm: dict | None = None) -> list[tuple[str, str]]:
     ]
 
 
+def merged(table: list[tuple[str, str, str, str]]) -> list[tuple[str, str, str, str]]:
+    """The rows of flags that are not here for one reason within one group, as one row (in the
+    order vLLM lists them): the table says each reason once."""
+    rows: dict[tuple[str, str, str], list[str]] = {}
+    for group, spelled, here, why in table:
+        key = (group, here, why) if here == "not here" else (group, here, f"{spelled}\0{why}")
+        rows.setdefault(key, []).append(spelled)
+    return [(group, "<br>".join(flags), here, why.split("\0")[-1]) for (group, here, why), flags in rows.items()]
+
+
 def table_markdown() -> str:
-    """The serving page's table: every ``vllm serve`` flag with ours beside it, then ours alone."""
+    """The deploying page's table: every ``vllm serve`` flag with ours beside it, then ours alone."""
     vllm = load_vllm_flags()
     table = rows(vllm)
     counts = {here: sum(1 for r in table if r[2] == here) for here in ("kept", "refused by name", "not here")}
@@ -394,7 +404,7 @@ def table_markdown() -> str:
         "",
         "| vLLM's group | flag | here | what differs, or why not |",
         "| --- | --- | --- | --- |",
-        *(f"| {group} | {spelled} | {here} | {why} |" for group, spelled, here, why in table),
+        *(f"| {group} | {spelled} | {here} | {why} |" for group, spelled, here, why in merged(table)),
         "",
         "Flags of this server that `vllm serve` does not have:",
         "",

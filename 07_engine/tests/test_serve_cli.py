@@ -1,5 +1,5 @@
 """``vllm serve``'s command line, read as vLLM reads it: the flags a vLLM user pastes, vLLM's value
-syntax, ``--config`` YAML, ``vllm-fs serve MODEL``, the ``VLLM_*`` CPU variables, and the serving
+syntax, ``--config`` YAML, ``vllm-fs serve MODEL``, the ``VLLM_*`` CPU variables, and the deploying
 page's table of every ``vllm serve`` flag beside ours.
 
 vLLM's own answers (its flags, what its size parser makes of a few texts) come from its parser,
@@ -287,7 +287,7 @@ def test_vllm_variables_that_cannot_be_honoured_stop_the_start_by_name(tiny_llam
         assert vllm_env.check_environment({refused: default}) is None  # vLLM's default asks for nothing
 
 
-# ---- the serving page's table ------------------------------------------------------------------------
+# ---- the deploying page's table ------------------------------------------------------------------------
 
 
 def test_every_vllm_serve_flag_is_accounted_for_and_the_table_is_current():
@@ -301,7 +301,7 @@ def test_every_vllm_serve_flag_is_accounted_for_and_the_table_is_current():
         assert here[flag] == "kept", flag
     for flag in ("--kv-cache-dtype", "--pipeline-parallel-size", "--data-parallel-size"):
         assert here[flag] == "refused by name", flag
-    page = (ROOT / "07_engine" / "topics" / "serving.md").read_text()
+    page = (ROOT / "07_engine" / "topics" / "deploying.md").read_text()
     assert vllm_serve_flags.table_markdown() in page, "run python docs/hooks/book_pages.py --write"
 
 

@@ -7,7 +7,7 @@ Every flag comes from a settings class in :mod:`config`, in vLLM's spellings: th
 The command line reads as vLLM's does (:func:`vllm_argv`): ``--config FILE.yaml``,
 ``--max_model_len`` as well as ``--max-model-len``, ``-O3``. A flag vLLM has for a set-up the
 engine lacks (``-pp 2``, ``--kv-cache-dtype fp8``) stops the start with an error naming it; the
-serving page (07_engine/topics/serving.md) lists every flag of ``vllm serve`` and what it does here.
+deploying page (07_engine/topics/deploying.md) lists every flag of ``vllm serve`` and what it does here.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ book-level pages. At build time this hook:
   page;
 * fills the generated sections of the ``docs/`` pages afresh (``GENERATED``): the chapter sizes,
   the engine's imports, the figures, each chapter page's measured results, the exercises; and
-  those of the chapters' topic pages: the serving page's table of ``vllm serve``'s flags and of
+  those of the chapters' topic pages: the deploying page's table of ``vllm serve``'s flags and of
   vLLM's CPU environment variables.
 
 The generated sections are also committed, between ``<!-- book:NAME -->`` and
