@@ -149,7 +149,7 @@ REASONS = {
     "--tool-strict-level": TOOLS,
     "--tool-server": TOOLS,
     "--max-log-len": "--enable-log-requests logs token counts and sampling, never the prompt's text",
-    "--enable-prompt-tokens-details": "usage carries no prompt_tokens_details (cached tokens show in /metrics)",
+    "--enable-prompt-tokens-details": "usage always carries prompt_tokens_details.cached_tokens: nothing to turn on",
     "--enable-per-request-metrics": "the per-request histograms of /metrics are always on",
     "--enable-server-load-tracking": "no /load endpoint: /metrics has the running and waiting requests",
     "--enable-force-include-usage": "usage comes when a request asks (stream_options.include_usage)",

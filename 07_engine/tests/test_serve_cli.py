@@ -244,7 +244,7 @@ def test_vllm_cpu_variables_are_honoured(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
     assert EngineConfig(tiny_llama_dir).cpu_kvcache_space_gib == 8
     assert EngineConfig(tiny_llama_dir, cpu_kvcache_space_gib=1.5).cpu_kvcache_space_gib == 1.5  # the setting wins
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")  # vLLM's "not set"
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "")  # set but empty: unset, as in vLLM
     assert EngineConfig(tiny_llama_dir).cpu_kvcache_space_gib == vllm_env.DEFAULT_CPU_KVCACHE_SPACE_GIB
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0-2,5|6"}
     assert [vllm_env.thread_cores(rank, 2, env) for rank in (0, 1)] == [[0, 1, 2, 5], [6]]
@@ -274,6 +274,7 @@ def test_thread_binding_binds_the_process():
         ("VLLM_CPU_ATTN_SPLIT_KV", "0"),
         ("VLLM_CPU_KVCACHE_SPACE", "lots"),
         ("VLLM_CPU_KVCACHE_SPACE", "-1"),
+        ("VLLM_CPU_KVCACHE_SPACE", "0"),
         ("VLLM_CPU_NUM_OF_RESERVED_CPU", "one"),
         ("VLLM_CPU_OMP_THREADS_BIND", "0-x"),
         ("VLLM_LOG_STATS_INTERVAL", "soon"),

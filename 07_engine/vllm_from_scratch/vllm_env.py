@@ -18,11 +18,12 @@ from vllm_from_scratch.errors import ParameterError
 
 # name -> what it does here (vLLM's meaning, read from vllm/envs.py).
 HONOURED = {
-    "VLLM_CPU_KVCACHE_SPACE": "KV cache size on a CPU in GiB: the default of cpu_kvcache_space_gib (0 or empty: unset)",
+    "VLLM_CPU_KVCACHE_SPACE": "KV cache size on a CPU in GiB: the default of cpu_kvcache_space_gib (empty: unset)",
     "VLLM_CPU_OMP_THREADS_BIND": "'auto' (every core this process may use, less the reserved ones, split between "
     "the tensor-parallel ranks), 'nobind' (torch's threads as they are), or core ids such as '0-3,6' for each rank, "
     "'|' between ranks; unset: as 'nobind' unless VLLM_CPU_NUM_OF_RESERVED_CPU is set",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "with 'auto' binding, cores left to the front end (the HTTP server, tokenizing)",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "with 'auto' binding, cores left to the front end (the HTTP server, tokenizing); "
+    "unset: none (vLLM reserves one per rank on x86)",
     "VLLM_API_KEY": "the API key when --api-key is not given",
     "VLLM_LOGGING_LEVEL": "the default of --log-level",
     "VLLM_LOG_STATS_INTERVAL": "seconds between the server's stats lines (default 10; off with --disable-log-stats)",
@@ -61,17 +62,17 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
 
 def cpu_kvcache_space_gib(environ: Mapping[str, str] | None = None) -> float:
     """``VLLM_CPU_KVCACHE_SPACE`` in GiB (vLLM's unit), or the book's default of 2 GiB when it is
-    unset, empty or 0 (vLLM's "not set"). vLLM's own default is 4 GiB; the book's laptops and
-    2-core machines share their memory with other work, and 2 GiB hold ~90k tokens of the default
-    model's cache."""
+    unset or empty. Unset, vLLM sizes its cache from the machine's free memory; the book's laptops
+    and 2-core machines share theirs with other work, and 2 GiB hold ~90k tokens of the default
+    model's cache. 0 is refused, as vLLM fails on it (no memory for the cache)."""
     env = os.environ if environ is None else environ
     text = env.get("VLLM_CPU_KVCACHE_SPACE", "")
     if not text:
         return DEFAULT_CPU_KVCACHE_SPACE_GIB
     value = _number("VLLM_CPU_KVCACHE_SPACE", text, float)
-    if value < 0:
-        raise ParameterError("VLLM_CPU_KVCACHE_SPACE", f"must be a size in GiB >= 0, got {text!r}")
-    return value or DEFAULT_CPU_KVCACHE_SPACE_GIB
+    if value <= 0:
+        raise ParameterError("VLLM_CPU_KVCACHE_SPACE", f"must be a size in GiB > 0, got {text!r}")
+    return value
 
 
 def reserved_cpus(environ: Mapping[str, str] | None = None) -> int:
