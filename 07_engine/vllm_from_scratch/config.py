@@ -615,13 +615,14 @@ class ServerConfig(CommandLineSettings):
 
 
 def flag_of(name: str) -> str:
-    """How the command line spells setting ``name`` of any settings class (an environment
-    variable's name stays as it is): start-up errors name what the user typed."""
+    """How the command line spells setting ``name`` of any settings class, or another argument
+    (``config``: ``--config``); an environment variable's name stays as it is. Start-up errors
+    name what the user typed."""
     for cls in (ServerConfig, ServingLimits, EngineConfig):
         for f in _settings(cls):
             if f.name == name:
                 return setting_flag(f)
-    return name
+    return name if name.isupper() else "--" + name.replace("_", "-")
 
 
 def _settings(cls: type) -> list[dataclasses.Field]:
