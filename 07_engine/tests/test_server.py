@@ -26,6 +26,7 @@ MODEL = "SmolLM2-135M-Instruct"
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_MODEL_LEN = 512
 KEY = "test-server-key"
+ALIAS = "smol"  # a second --served-model-name
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -43,6 +44,9 @@ def base_url():
             "160",
             "--log-level",
             "warning",
+            "--served-model-name",
+            MODEL,
+            ALIAS,
         ],
         startup_timeout_s=180,
         env={"VLLM_API_KEY": KEY},
@@ -63,7 +67,14 @@ def metric(base_url: str, name: str, labels: str = f'engine="0",model_name="{MOD
 
 
 def test_models_endpoint(client):
-    assert [m.id for m in client.models.list().data] == [MODEL]  # the default model's name
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]  # the names given, in order
+
+
+def test_every_served_name_is_served(client):
+    resp = client.completions.create(model=ALIAS, prompt="The capital of France is", max_tokens=2, temperature=0)
+    assert resp.model == MODEL  # responses carry the first name, as vLLM's do
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="not-served", prompt="x", max_tokens=1)
 
 
 def test_chat_answers_paris(client):

@@ -314,10 +314,11 @@ def test_probes_are_open_and_the_rest_needs_the_key(engine):
 
 
 def test_the_model_id_is_the_model_argument_as_given():
-    assert serve.served_model_name(serve.parse_args(["./models/my-llama"])) == "./models/my-llama"
-    assert serve.served_model_name(serve.parse_args(["--model", "org/name"])) == "org/name"
-    assert serve.served_model_name(serve.parse_args(["./m", "--served-model-name", "x"])) == "x"
-    assert serve.served_model_name(serve.parse_args([])) == MODEL_NAME
+    assert serve.served_model_names(serve.parse_args(["./models/my-llama"])) == ["./models/my-llama"]
+    assert serve.served_model_names(serve.parse_args(["--model", "org/name"])) == ["org/name"]
+    assert serve.served_model_names(serve.parse_args(["./m", "--served-model-name", "x"])) == ["x"]
+    assert serve.served_model_names(serve.parse_args(["./m", "--served-model-name", "x", "y"])) == ["x", "y"]
+    assert serve.served_model_names(serve.parse_args([])) == [MODEL_NAME]
     with pytest.raises(SystemExit):
         serve.parse_args(["./a", "--model", "./b"])
 
@@ -341,6 +342,14 @@ def test_generation_config_defaults_fill_what_a_request_leaves_unset(engine, che
         defaults = serve.sampling_defaults(args, str(checkpoint_with_defaults))
     assert "temperature" in caplog.text and "0.6" in caplog.text
     assert serve.sampling_defaults(serve.parse_args(["--generation-config", "vllm"]), "x") == {}
+    override = ["--override-generation-config", '{"temperature": 0.5, "min_p": 0.1}']
+    assert serve.sampling_defaults(serve.parse_args(["--generation-config", "vllm", *override]), "x") == {
+        "temperature": 0.5,
+        "min_p": 0.1,
+    }
+    checkpoint = str(checkpoint_with_defaults)
+    merged = serve.sampling_defaults(serve.parse_args([checkpoint, *override]), checkpoint)
+    assert merged == {**defaults, "temperature": 0.5, "min_p": 0.1}  # vLLM's rule: the override wins
     with TestClient(build_app(engine, MODEL, default_sampling_params=defaults)) as c:
         c.post("/v1/completions", json={"prompt": [10], "max_tokens": None, "request_id": "a"})
         c.post("/v1/completions", json={"prompt": [10], "temperature": 0, "max_tokens": 8, "request_id": "b"})

@@ -562,17 +562,60 @@ def test_websockets_need_the_key_too(keyed):
 
 def test_serve_takes_the_key_from_the_flag_or_the_environment(monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    assert serve.resolve_api_key(serve.parse_args([])) is None
+    assert serve.resolve_api_keys(serve.parse_args([])) == []
     monkeypatch.setenv("VLLM_API_KEY", "")
-    assert serve.resolve_api_key(serve.parse_args([])) is None
+    assert serve.resolve_api_keys(serve.parse_args([])) == []
     monkeypatch.setenv("VLLM_API_KEY", "from-env")
-    assert serve.resolve_api_key(serve.parse_args([])) == "from-env"
-    assert serve.resolve_api_key(serve.parse_args(["--api-key", "from-flag"])) == "from-flag"
+    assert serve.resolve_api_keys(serve.parse_args([])) == ["from-env"]
+    assert serve.resolve_api_keys(serve.parse_args(["--api-key", "from-flag"])) == ["from-flag"]
+    assert serve.resolve_api_keys(serve.parse_args(["--api-key", "a", "b"])) == ["a", "b"]  # vLLM: the flag wins
     with pytest.raises(SystemExit):
         serve.parse_args(["--api-key", ""])  # "$KEY" of an unset variable must not open the server
     with pytest.raises(SystemExit):
         serve.parse_args(["--max-request-bytes", "0"])
     assert serve.parse_args(["--max-request-bytes", "4096"]).max_request_bytes == 4096
+
+
+def test_several_names_and_keys_are_served_as_vllm_serves_them(engine, caplog):
+    # `--served-model-name scripted alias --api-key k1 k2`: both names listed and accepted, the
+    # first in responses; either key opens the server; behind a proxy's --root-path too.
+    app = build_app(engine, [MODEL, "alias"], api_key=["k1", "k2"], root_path="/proxy", log_requests=True)
+    with TestClient(app) as c, caplog.at_level("INFO", logger="vllm_from_scratch.serving"):
+        for prefix in ("", "/proxy"):
+            models = c.get(prefix + "/v1/models", headers={"Authorization": "Bearer k2"}).json()["data"]
+            assert [m["id"] for m in models] == [MODEL, "alias"]
+            assert c.get(prefix + "/health").status_code == 200
+        for key, name in (("k1", "alias"), ("k2", MODEL), ("k2", None)):
+            body = {"prompt": [10], "max_tokens": 1, **({"model": name} if name else {})}
+            resp = c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["model"] == MODEL
+        assert_error(c.post("/v1/completions", json={"prompt": [10]}, headers={"Authorization": "Bearer k3"}), 401)
+        unknown = {"model": "other", "prompt": [10]}
+        assert_error(c.post("/v1/completions", json=unknown, headers={"Authorization": "Bearer k1"}), 404, "model")
+    assert caplog.text.count("Received request cmpl-") == 3  # --enable-log-requests
+
+
+def test_the_stats_line_reports_what_moved(caplog, monkeypatch):
+    from vllm_from_scratch.api_server import log_stats_forever
+
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "0.05")
+    llm = SimpleNamespace(stats={"prompt_tokens_total": 0, "generation_tokens_total": 0})
+
+    async def run() -> None:
+        task = asyncio.create_task(log_stats_forever(llm, "m"))
+        await asyncio.sleep(0.08)
+        llm.stats = {"prompt_tokens_total": 10, "generation_tokens_total": 4, "num_requests_running": 2}
+        await asyncio.sleep(0.05)
+        llm.stats = {"prompt_tokens_total": 10, "generation_tokens_total": 4, "num_requests_running": 0}
+        await asyncio.sleep(0.15)
+        task.cancel()
+
+    with caplog.at_level("INFO", logger="vllm_from_scratch.api_server"):
+        asyncio.run(run())
+    lines = [r.getMessage() for r in caplog.records if "throughput" in r.getMessage()]
+    assert lines, "a line for the interval in which the engine worked"
+    assert all("Running: 2 reqs" in line for line in lines), "none for the idle intervals before and after"
 
 
 def test_loopback_hosts():

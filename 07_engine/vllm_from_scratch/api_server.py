@@ -19,12 +19,16 @@ included, leaves as a JSON body in OpenAI's shape (:func:`add_error_handlers`).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import importlib.metadata
 import json
+import logging
+import os
 import re
-from collections.abc import AsyncIterator, Mapping
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -69,6 +73,7 @@ if TYPE_CHECKING:
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 # Paths whose requests the http_* families leave out (vLLM's list: probes and the scrape itself).
 UNINSTRUMENTED_PATHS = ["/metrics", "/health", "/load", "/ping", "/version", "/server_info"]
+log = logging.getLogger(__name__)
 
 
 def _version() -> str:
@@ -97,47 +102,63 @@ def default_max_request_bytes(max_model_len: int) -> int:
 
 def build_app(
     engine: LLMEngine,
-    served_model_name: str,
+    served_model_name: str | Sequence[str],
     tokenizer: PreTrainedTokenizerBase | None = None,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_request_bytes: int | None = None,
     default_sampling_params: Mapping[str, Any] | None = None,
     limits: ServingLimits | None = None,
+    root_path: str = "",
+    log_requests: bool = False,
+    log_stats: bool = False,
 ) -> FastAPI:
     """The FastAPI application serving ``engine`` (an ``LLMEngine`` or anything with its API).
 
+    ``served_model_name``: the name, or names, clients may pass as ``model`` (responses and
+    metrics carry the first, as vLLM's do).
     ``tokenizer`` defaults to ``engine.tokenizer``; the CLI passes a second instance, because
     the server tokenizes in worker threads while the engine thread detokenizes with its own.
-    ``api_key``: if set, every path but :data:`OPEN_PATHS` needs it as a bearer token.
+    ``api_key``: a key, or several; if set, every path but :data:`OPEN_PATHS` needs one of them
+    as a bearer token.
     ``max_request_bytes``: the largest request body accepted (default
     :func:`default_max_request_bytes` of the engine's ``max_model_len``).
     ``default_sampling_params``: the model's sampling defaults for fields a request leaves unset
     (:func:`serving.generation_config_defaults`). ``limits``: what one request may ask for
-    (:class:`config.ServingLimits`; default: its defaults).
+    (:class:`config.ServingLimits`; default: its defaults). ``root_path``: the prefix a proxy
+    serves the app under. ``log_requests``: log each request as it arrives. ``log_stats``: log
+    the engine's throughput and load every ``VLLM_LOG_STATS_INTERVAL`` seconds while it works
+    (:func:`log_stats_forever`).
     """
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     llm = AsyncLLM(engine)
     registry = metrics_registry()
     if not getattr(engine.config, "disable_log_stats", False):
-        engine.attach_metrics(served_model_name, lambda: llm.stats, registry)
+        engine.attach_metrics(names[0], lambda: llm.stats, registry)
     serving = OpenAIServing(
         llm,
-        served_model_name,
+        names,
         engine.input_processor.with_tokenizer(tokenizer or engine.tokenizer),
         default_sampling_params,
         getattr(engine.config, "scheduling_policy", "fcfs"),
         limits,
+        log_requests,
     )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         llm.start()
+        stats_task = asyncio.create_task(log_stats_forever(llm, names[0])) if log_stats else None
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             serving.shutdown()
             llm.shutdown()
 
     app = FastAPI(title="vllm-from-scratch", lifespan=lifespan)
+    app.root_path = root_path  # as vLLM sets it: routes answer with the prefix or without it
     app.state.serving = serving
 
     @app.post("/v1/completions")
@@ -151,9 +172,15 @@ def build_app(
     # response_model=None: the dict goes out as it is, not validated against the annotation.
     @app.get("/v1/models", response_model=None)
     async def list_models() -> dict[str, Any]:
-        model = {"id": served_model_name, "object": "model", "created": now(), "owned_by": "vllm-from-scratch"}
-        model["max_model_len"] = serving.max_model_len  # vLLM's addition to OpenAI's model object
-        return {"object": "list", "data": [model]}
+        # One card per name, as vLLM lists them; max_model_len is vLLM's addition to OpenAI's card.
+        created = now()
+        cards = [
+            {"id": name, "object": "model", "created": created, "owned_by": "vllm-from-scratch", "root": names[0]}
+            for name in names
+        ]
+        for card in cards:
+            card["max_model_len"] = serving.max_model_len
+        return {"object": "list", "data": cards}
 
     @app.post("/tokenize", response_model=None)
     async def tokenize(body: Annotated[Any, Body()]) -> dict[str, Any]:
@@ -199,8 +226,8 @@ def build_app(
     app.add_middleware(
         RequestSizeLimitMiddleware, max_bytes=max_request_bytes or default_max_request_bytes(engine.max_model_len)
     )
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=keys)
     return app
 
 
@@ -212,6 +239,39 @@ def metrics_registry() -> CollectorRegistry:
     for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
         registry.register(collector)
     return registry
+
+
+STATS_COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries", "prefix_cache_hits")
+
+
+async def log_stats_forever(llm: AsyncLLM, model_name: str) -> None:
+    """vLLM's stats line, every ``VLLM_LOG_STATS_INTERVAL`` seconds (10 unless set) in which the
+    engine had work: prompt and generation throughput over the interval, running and waiting
+    requests, KV cache use and the prefix cache's hit rate."""
+    interval = float(os.environ.get("VLLM_LOG_STATS_INTERVAL") or 10.0)
+    interval = interval if interval > 0 else 10.0
+    last, last_time = dict(llm.stats), time.monotonic()
+    while True:
+        await asyncio.sleep(interval)
+        stats, now_s = dict(llm.stats), time.monotonic()
+        elapsed = max(now_s - last_time, 1e-9)
+        delta = {key: float(stats.get(key, 0)) - float(last.get(key, 0)) for key in STATS_COUNTERS}
+
+        busy = stats.get("num_requests_running", 0) or stats.get("num_requests_waiting", 0)
+        if busy or delta["prompt_tokens_total"] or delta["generation_tokens_total"]:
+            queries = delta["prefix_cache_queries"]
+            log.info(
+                "%s: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                model_name,
+                delta["prompt_tokens_total"] / elapsed,
+                delta["generation_tokens_total"] / elapsed,
+                stats.get("num_requests_running", 0),
+                stats.get("num_requests_waiting", 0),
+                100 * float(stats.get("kv_cache_usage", 0.0)),
+                100 * delta["prefix_cache_hits"] / queries if queries else 0.0,
+            )
+        last, last_time = stats, now_s
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -269,17 +329,18 @@ def validation_error(exc: RequestValidationError, max_listed: int = 3) -> APIErr
 
 
 class APIKeyMiddleware:
-    """vLLM's ``--api-key``: every path but :data:`OPEN_PATHS` needs ``Authorization: Bearer <key>``,
-    else a 401 with OpenAI's body. Keys are compared as SHA-256 digests with ``hmac.compare_digest``:
-    constant time on equal lengths whatever the client sent, so timing tells nothing about the key.
+    """vLLM's ``--api-key``: every path but :data:`OPEN_PATHS` needs ``Authorization: Bearer <key>``
+    with one of ``api_keys``, else a 401 with OpenAI's body. Keys are compared as SHA-256 digests
+    with ``hmac.compare_digest``, against every key whatever matched: constant time on equal
+    lengths whatever the client sent, so timing tells nothing about the keys.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
         self.app = app
-        self._digest = hashlib.sha256(api_key.encode()).digest()
+        self._digests = [hashlib.sha256(key.encode()).digest() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+        if scope["type"] == "lifespan" or get_route_path(scope) in OPEN_PATHS or self._authorized(scope):
             await self.app(scope, receive, send)
         elif scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})  # policy violation
@@ -291,7 +352,9 @@ class APIKeyMiddleware:
         # Headers are latin-1 text; back to the bytes the client sent.
         value = Headers(scope=scope).get("authorization", "").encode("latin-1")
         scheme, _, token = value.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(hashlib.sha256(token).digest(), self._digest)
+        digest = hashlib.sha256(token).digest()
+        matches = [hmac.compare_digest(digest, known) for known in self._digests]
+        return scheme.lower() == b"bearer" and any(matches)
 
 
 class RequestSizeLimitMiddleware:
@@ -398,6 +461,12 @@ def lone_surrogate(body: bytes) -> tuple[str, int] | None:
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
     return None
+
+
+def get_route_path(scope: Scope) -> str:
+    """The path the routes see: the request's, less the ``root_path`` a proxy serves the app under."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def replay(body: bytes, receive: Receive) -> Receive:

@@ -74,7 +74,7 @@ class LLMEngine:
     def __init__(self, model_dir: str, **kwargs: Any):
         self.config = EngineConfig(model_dir=str(model_dir), **kwargs)
         self.max_model_len = self.config.max_model_len
-        self.tokenizer = load_tokenizer(self.config.model_dir)
+        self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model_dir)
         self.eos_token_ids = eos_token_ids(self.config.hf_config, self.tokenizer)
         self.input_processor = InputProcessor(self.config, self.tokenizer, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)

@@ -24,6 +24,8 @@ from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.models import get_config_class, get_model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# vLLM's other spellings of two of them (``--dtype half``, ``LLM(dtype="float")``).
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 log = logging.getLogger(__name__)
 
 
@@ -37,8 +39,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str = 
         dtype = str(dtype).removeprefix("torch.")
     if dtype is None or dtype == "auto":
         return _auto_dtype(torch.device(device).type)
+    dtype = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in DTYPES:
-        raise ParameterError("dtype", f"must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+        names = sorted([*DTYPES, *DTYPE_ALIASES])
+        raise ParameterError("dtype", f"must be 'auto' or one of {names}, got {dtype!r}")
     return DTYPES[dtype]
 
 

@@ -26,9 +26,17 @@ from vllm_from_scratch.kv_connector import BlockTransfer, KVConnectorStats, KVCo
 from vllm_from_scratch.layers.attention import Attention
 from vllm_from_scratch.layers.prepacked import prepack_model
 from vllm_from_scratch.loader import get_model
-from vllm_from_scratch.sampler import LogprobsLists, ProcessorEntries, Sampler, SamplingMetadata, gather_logprobs
+from vllm_from_scratch.sampler import (
+    EngineRandomStream,
+    LogprobsLists,
+    ProcessorEntries,
+    Sampler,
+    SamplingMetadata,
+    gather_logprobs,
+)
 from vllm_from_scratch.sampling_params import SamplingParams
 from vllm_from_scratch.spec_decoding import RejectionSampler
+from vllm_from_scratch.vllm_env import bind_threads, thread_cores
 
 # Longest dummy prompt of the warm-up; a step at the token budget is several of them.
 WARM_UP_ROW = 256
@@ -173,6 +181,8 @@ class ModelRunner:
     ):
         self.config = config
         self.device = config.torch_device
+        if self.device.type == "cpu":
+            bind_threads(thread_cores(tp_rank, config.tensor_parallel_size))
         if self.device.type == "cuda" and config.tensor_parallel_size > 1:
             self.device = torch.device("cuda", tp_rank)  # rank r owns GPU r, whatever "cuda:N" said
         self.gpu = gpu if gpu is not None else GPUPlatform.for_device(self.device)
@@ -192,6 +202,7 @@ class ModelRunner:
         for attn in self.attn_layers:
             attn.backend = config.attention_backend
         self.sampler = Sampler(config.vocab_size)
+        self.random_stream = EngineRandomStream(config.seed, self.device)
         # A speculating engine samples every step through the rejection sampler (RejectionSampler.sample).
         self.rejection_sampler = RejectionSampler(self.device, config.vocab_size) if config.speculative else None
         # Each live request's logit_bias and min_tokens entries as tensors, built when it first
@@ -418,11 +429,12 @@ class ModelRunner:
         if logits is None or logits.shape[0] == 0:
             return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         metadata = self._sampling_metadata(scheduler_output, info, logits)
-        if self.rejection_sampler is None:
-            sampled = self.sampler.sample(logits, metadata)
-        else:
-            drafts = [scheduler_output.scheduled_spec_decode_tokens.get(rid, []) for rid in metadata.request_ids]
-            sampled = self.rejection_sampler.sample(logits, metadata, drafts)
+        with self.random_stream.active():
+            if self.rejection_sampler is None:
+                sampled = self.sampler.sample(logits, metadata)
+            else:
+                drafts = [scheduler_output.scheduled_spec_decode_tokens.get(rid, []) for rid in metadata.request_ids]
+                sampled = self.rejection_sampler.sample(logits, metadata, drafts)
         return ModelRunnerOutput(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs)
 
     def _sampling_metadata(

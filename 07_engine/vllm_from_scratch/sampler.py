@@ -16,7 +16,8 @@ Every row gets a token id inside the vocabulary or :data:`NO_TOKEN`, whatever it
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +107,42 @@ def uniform_noise(
         if gen is not None:
             uniform[row].uniform_(generator=gen)
     return uniform
+
+
+class EngineRandomStream:
+    """The engine's global seed (``EngineConfig.seed``, vLLM's ``--seed``) at work: the random
+    stream every row without a generator of its own draws from.
+
+    Those rows draw their noise from the device's default generator, all in one launch
+    (:func:`uniform_noise`). :meth:`active` swaps that generator's state for the engine's around
+    a step's sampling and back after: the stream starts at ``seed`` and only sampling advances
+    it, so the same requests in the same order give the same tokens on every run, and the
+    caller's own random state is neither read nor changed (vLLM reseeds its engine process,
+    which is not the caller's). ``seed`` None: the default generator as it stands.
+    """
+
+    def __init__(self, seed: int | None, device: torch.device):
+        self.seed = seed
+        self._default: torch.Generator | None = None
+        if seed is not None:
+            index = device.index if device.index is not None else 0
+            self._default = torch.cuda.default_generators[index] if device.type == "cuda" else torch.default_generator
+            # The stream's start: the state a generator seeded with ``seed`` has.
+            self._state = torch.Generator(device).manual_seed(seed).get_state()
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        default = self._default
+        if default is None:
+            yield
+            return
+        caller_state = default.get_state()
+        default.set_state(self._state)
+        try:
+            yield
+        finally:
+            self._state = default.get_state()
+            default.set_state(caller_state)
 
 
 def exponential_noise(

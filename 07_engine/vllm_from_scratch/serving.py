@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -46,6 +47,8 @@ from vllm_from_scratch.openai_protocol import (
 )
 from vllm_from_scratch.sampling_params import RequestOutputKind, SamplingParams
 from vllm_from_scratch.streaming import SSE_DONE, collect_or_abort, sse, stream_events
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm_from_scratch.outputs import CompletionOutput, Logprob, RequestOutput
@@ -209,17 +212,21 @@ class OpenAIServing:
     def __init__(
         self,
         llm: AsyncLLM,
-        served_model_name: str,
+        served_model_names: str | Sequence[str],
         input_processor: InputProcessor,
         default_sampling_params: Mapping[str, Any] | None = None,
         scheduling_policy: str = "fcfs",
         limits: ServingLimits | None = None,
+        log_requests: bool = False,
     ) -> None:
         self.llm = llm
+        self.log_requests = log_requests
         self.scheduling_policy = scheduling_policy
         self.limits = limits or ServingLimits()
         self.default_sampling_params = dict(default_sampling_params or {})
-        self.served_model_name = served_model_name
+        names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names)
+        self.served_model_names = names
+        self.served_model_name = names[0]  # the one responses carry, as vLLM's do
         self.input_processor = input_processor
         self.tokenizer = input_processor.tokenizer
         self.max_model_len = input_processor.config.max_model_len
@@ -233,7 +240,7 @@ class OpenAIServing:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+        if model is not None and model not in self.served_model_names:
             raise APIError(
                 f"The model `{model}` does not exist.", status_code=404, param="model", code="model_not_found"
             )
@@ -420,6 +427,9 @@ class OpenAIServing:
         request_id = f"{prefix}-{body.request_id}" if body.request_id else random_id(prefix)
         loop = asyncio.get_running_loop()
         params, requests, echoes = await loop.run_in_executor(self.executor, self.prepare, body, request_id)
+        if self.log_requests:
+            lengths = [len(r.prompt_token_ids) for r in requests]
+            log.info("Received request %s: prompt tokens %s, params: %s", request_id, lengths, params)
         streams = await self.start(requests, body)
         states = [
             PromptState(r.prompt_token_ids, None if echoes is None else echoes[i]) for i, r in enumerate(requests)

@@ -13,7 +13,9 @@ book-level pages. At build time this hook:
   file of the repository (code, a figure) keeps working because that file is published beside the
   page;
 * fills the generated sections of the ``docs/`` pages afresh (``GENERATED``): the chapter sizes,
-  the engine's imports, the figures, each chapter page's measured results, the exercises.
+  the engine's imports, the figures, each chapter page's measured results, the exercises; and
+  those of the chapters' topic pages: the deploying page's table of ``vllm serve``'s flags and of
+  vLLM's CPU environment variables.
 
 The generated sections are also committed, between ``<!-- book:NAME -->`` and
 ``<!-- /book:NAME -->``, so the pages read complete in the repository without a build;
@@ -359,13 +361,40 @@ def figures_markdown() -> str:
     return "\n".join(parts)
 
 
+def cell(text: str) -> str:
+    """``text`` inside a Markdown table's cell: a ``|`` of its own does not end the cell."""
+    return text.replace("|", "\\|")
+
+
+def vllm_serve_flags_markdown() -> str:
+    """Every flag of ``vllm serve`` beside ours (07_engine/benchmarks/vllm_serve_flags.py)."""
+    import vllm_serve_flags
+
+    return vllm_serve_flags.table_markdown()
+
+
+def vllm_env_markdown() -> str:
+    """vLLM's CPU environment variables: which the engine honours, which it refuses (vllm_env.py)."""
+    from vllm_from_scratch import vllm_env
+
+    rows = ["| variable | here | what it does, or why it is refused |", "| --- | --- | --- |"]
+    rows += [f"| `{name}` | honoured | {cell(what)} |" for name, what in vllm_env.HONOURED.items()]
+    rows += [
+        f"| `{name}` | refused unless `{default}` (vLLM's default) | it {cell(why)} |"
+        for name, (default, why) in vllm_env.REFUSED.items()
+    ]
+    return "\n".join(rows)
+
+
 # ------------------------------------------------------------------ generated sections
-GENERATED: dict[str, Callable[[], str]] = {  # <!-- book:NAME --> -> what fills it (links from docs/)
+GENERATED: dict[str, Callable[[], str]] = {  # <!-- book:NAME --> -> what fills it (links from its page)
     "chapter-sizes": chapter_sizes_markdown,
     "engine-imports": engine_imports_markdown,
     "figures": figures_markdown,
     "chapter-results": chapter_results_markdown,
     "exercises": exercises_markdown,
+    "vllm-serve-flags": vllm_serve_flags_markdown,
+    "vllm-cpu-env": vllm_env_markdown,
 }
 # A committed section, begin and end markers alone on their lines; or a begin marker alone.
 SECTION_RE = re.compile(
@@ -391,8 +420,9 @@ def fill_sections(text: str, keep_markers: bool = True) -> str:
 
 
 def pages_with_sections() -> list[Path]:
-    """The ``docs/`` pages that hold a generated section."""
-    return [p for p in sorted((ROOT / "docs").glob("*.md")) if SECTION_RE.search(p.read_text(encoding="utf-8"))]
+    """The ``docs/`` pages and the chapters' topic pages that hold a generated section."""
+    pages = [*sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("0*/topics/*.md"))]
+    return [p for p in pages if SECTION_RE.search(p.read_text(encoding="utf-8"))]
 
 
 def stale_pages() -> list[str]:
@@ -443,7 +473,7 @@ def on_files(files, config):
     _assets.clear()
     pages = _pages()
     for repo_path, site_path in pages.items():
-        text = (ROOT / repo_path).read_text(encoding="utf-8")
+        text = fill_sections((ROOT / repo_path).read_text(encoding="utf-8"), keep_markers=False)
         text = rewrite_links(text, repo_path, site_path, pages, _assets)
         files.append(File.generated(config, site_path, content=text))
     # The docs pages are rewritten in on_page_markdown; the files they link to are published now.

@@ -64,7 +64,7 @@ def build_proxy(
     app = FastAPI(title="vllm-from-scratch disaggregation proxy", lifespan=lifespan)
 
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # the server's own check, same open paths
+        app.add_middleware(APIKeyMiddleware, api_keys=[api_key])  # the server's own check, same open paths
 
     async def forward(request: Request) -> Response:
         path = request.url.path
