@@ -179,7 +179,9 @@ class LLM:
                 for sequences in found:
                     if self.tokenizer is not None:
                         for seq in sequences:
-                            seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=params.skip_special_tokens)
+                            seq.text = str(
+                                self.tokenizer.decode(seq.tokens, skip_special_tokens=params.skip_special_tokens)
+                            )
                     results.append(BeamSearchOutput(sequences))
         return results
 

@@ -405,9 +405,9 @@ class SamplingMetadata:
         bad_ids: list[int] = []
         for i, r in enumerate(row_requests):
             if r.sampling_params.bad_words_token_ids:
-                banned = banned_bad_words(r.sampling_params.bad_words_token_ids, r.completion_token_ids)
-                bad_rows += [i] * len(banned)
-                bad_ids += banned
+                ids = banned_bad_words(r.sampling_params.bad_words_token_ids, r.completion_token_ids)
+                bad_rows += [i] * len(ids)
+                bad_ids += ids
         if bad_ids:
             self.bad_words = (_long_tensor(bad_rows).to(device), _long_tensor(bad_ids).to(device))
         penalized = [i for i, p in enumerate(params) if p.uses_penalties]

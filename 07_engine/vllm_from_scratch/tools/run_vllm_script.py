@@ -99,7 +99,7 @@ def vllm_modules(
         "RequestOutput": outputs.RequestOutput,
         "CompletionOutput": outputs.CompletionOutput,
     }
-    modules = {
+    modules: dict[str, dict[str, Any]] = {
         "vllm": names,
         "vllm.sampling_params": {k: names[k] for k in ("SamplingParams", "BeamSearchParams")},
         "vllm.outputs": {k: names[k] for k in ("RequestOutput", "CompletionOutput")},
