@@ -16,7 +16,7 @@ Every row gets a token id inside the vocabulary or :data:`NO_TOKEN`, whatever it
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -380,27 +380,18 @@ class SamplingMetadata:
                 cache[r.request_id] = shared[key]
             return cache[r.request_id]
 
-        biased = [
-            (i, bias)
-            for i, r in enumerate(row_requests)
-            if r.sampling_params.logit_bias and (bias := entries(r).bias) is not None
-        ]
-        if biased:
-            self.logit_bias = _group_rows(biased, device)
-        banning = [
-            (i, banned)
-            for i, r in enumerate(row_requests)
-            if r.num_completion_tokens < r.sampling_params.min_tokens and (banned := entries(r).banned) is not None
-        ]
-        if banning:
-            self.min_tokens_mask = _group_rows(banning, device)
-        masked = [
-            (i, disallowed)
-            for i, r in enumerate(row_requests)
-            if r.sampling_params.allowed_token_ids and (disallowed := entries(r).disallowed) is not None
-        ]
-        if masked:
-            self.allowed_mask = _group_rows(masked, device)
+        def grouped(uses: Callable[[Any], Any], entry: str) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+            """The ``(rows, [V] row)`` groups of the rows that ``uses`` an entry and have one."""
+            rows = [
+                (i, row)
+                for i, r in enumerate(row_requests)
+                if uses(r) and (row := getattr(entries(r), entry)) is not None
+            ]
+            return _group_rows(rows, device) if rows else None
+
+        self.logit_bias = grouped(lambda r: r.sampling_params.logit_bias, "bias")
+        self.min_tokens_mask = grouped(lambda r: r.num_completion_tokens < r.sampling_params.min_tokens, "banned")
+        self.allowed_mask = grouped(lambda r: r.sampling_params.allowed_token_ids, "disallowed")
         bad_rows: list[int] = []
         bad_ids: list[int] = []
         for i, r in enumerate(row_requests):
