@@ -44,6 +44,7 @@ def every_block_returned(llm):
     assert llm.llm_engine.block_manager.all_blocks_free()
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(
     prompts=st.lists(st.lists(st.integers(3, 511), min_size=1, max_size=40), min_size=1, max_size=2),
@@ -114,6 +115,7 @@ def frequent_eos_dir(tiny_llama_dir, hf_model, tmp_path_factory):
     return str(path), prompt, second
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length_penalty", [1.0, 0.5])
 def test_with_eos_the_beams_follow_vllms_definition(hf_model, frequent_eos_dir, length_penalty):
     model_dir, prompt, eos = frequent_eos_dir

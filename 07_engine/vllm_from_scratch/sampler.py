@@ -125,8 +125,11 @@ class EngineRandomStream:
         self.seed = seed
         self._default: torch.Generator | None = None
         if seed is not None:
-            index = device.index if device.index is not None else 0
-            self._default = torch.cuda.default_generators[index] if device.type == "cuda" else torch.default_generator
+            if device.type == "cuda":
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                self._default = torch.cuda.default_generators[index]
+            else:
+                self._default = torch.default_generator
             # The stream's start: the state a generator seeded with ``seed`` has.
             self._state = torch.Generator(device).manual_seed(seed).get_state()
 
