@@ -331,10 +331,7 @@ class LLMEngine:
         if not isinstance(bm, PrefixCachingBlockManager):
             return True  # nothing is cached
         if reset_running_requests:
-            for req in reversed(
-                list(self.scheduler.running)
-            ):  # chapter 04's preemption: blocks freed, recomputed later
-                self.scheduler._preempt(req)
+            self.scheduler.preempt_running()  # chapter 04's preemption: blocks freed, recomputed later
         if not bm.reset_prefix_cache():
             log.warning("the prefix cache was not reset: %d blocks are in use", len(bm.used_block_ids))
             return False
