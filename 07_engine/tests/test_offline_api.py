@@ -321,6 +321,8 @@ def test_vllm_v1_add_request_order_and_step_outputs(llm):
     book = engine.add_request("The capital of France is", GREEDY, request_id="book")  # the book's order
     with pytest.raises(ValueError, match="^request_id"):
         engine.add_request(7, "Hi", GREEDY)
+    with pytest.raises(ValueError, match="^params"):
+        engine.add_request("Hi", 0.5)  # the book's order with settings that are not a SamplingParams
     finished: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -217,7 +217,7 @@ class LLMEngine:
         :class:`EngineCoreRequest`, a request that went through an input processor already (the
         server's, in its worker threads).
         """
-        if params is not None and not isinstance(params, SamplingParams):
+        if isinstance(params, (str, list, tuple, Mapping, EngineCoreRequest)):
             # vLLM V1's order: (request_id, prompt, params).
             request_id, prompt, params = prompt, params, request_id  # type: ignore[assignment]
             if not isinstance(request_id, str):
