@@ -631,6 +631,12 @@ class Scheduler:
             return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]  # FCFS: the most recently admitted
 
+    def preempt_running(self) -> None:
+        """Preempt every running request, the latest admitted first: each frees its blocks and
+        waits to be recomputed (a cache that must be emptied while requests run)."""
+        for req in reversed(list(self.running)):
+            self._preempt(req)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.block_manager.free(req)

@@ -260,3 +260,95 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
     for bad in (0, -2, 513, 1.5):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             llm.generate(prompt, SamplingParams(max_tokens=1, truncate_prompt_tokens=bad), use_tqdm=False)
+
+
+def _contains(tokens: list[int], sequence: list[int]) -> bool:
+    return any(tokens[i : i + len(sequence)] == sequence for i in range(len(tokens) - len(sequence) + 1))
+
+
+def test_bad_words_are_never_generated(llm):
+    prompt = "The capital of France is"
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    words = free.text.split()[:2]  # what greedy decoding says first, which must now be avoided
+    params = SamplingParams(temperature=0.0, max_tokens=8, bad_words=words)
+    (out,) = llm.generate(prompt, params, use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    sequences = llm.llm_engine.input_processor.tokenize_bad_words(words)
+    for word in words:  # vLLM's rule: the word alone, and after a space where that tokenizes differently
+        alone = tokenizer.encode(word, add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word, add_special_tokens=False)
+        assert alone in sequences and (spaced in sequences) == (spaced[0] != alone[0] and len(spaced) == len(alone))
+    assert out.outputs[0].token_ids != free.token_ids
+    assert not any(_contains(out.outputs[0].token_ids, s) for s in sequences), (words, out.outputs[0].text)
+    # A batch mixing the rule with plain rows: the plain row is untouched.
+    mixed = llm.generate([prompt, prompt], [params, SamplingParams(temperature=0.0, max_tokens=8)], use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == out.outputs[0].token_ids
+    assert mixed[1].outputs[0].token_ids == free.token_ids
+
+
+def test_allowed_token_ids_mask_everything_else(llm):
+    allowed = [11, 260, 314, 1029, 2455]
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed, seed=3)
+    outs = llm.generate(["Hello, my name is", "The capital of France is"], params, use_tqdm=False)
+    for out in outs:
+        assert set(out.outputs[0].token_ids) <= set(allowed), out.outputs[0].token_ids
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[314])
+    assert llm.generate("Hi", greedy, use_tqdm=False)[0].outputs[0].token_ids == [314] * 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(allowed_token_ids=[]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[10**9]), "allowed_token_ids"),  # past the vocabulary: the engine's check
+        (dict(bad_words=[""]), "bad_words"),
+        (dict(bad_words="word"), "bad_words"),
+        (dict(bad_words=[" "]), "bad_words"),  # tokenizes to nothing once stripped
+    ],
+)
+def test_bad_words_and_allowed_token_ids_are_checked_by_name(llm, kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name}"):
+        llm.generate("Hi", SamplingParams(max_tokens=2, **kwargs), use_tqdm=False)
+
+
+def test_vllm_v1_add_request_order_and_step_outputs(llm):
+    from vllm_from_scratch.outputs import RequestOutput
+
+    engine = llm.llm_engine
+    engine.add_request("v1-text", "The capital of France is", GREEDY)  # vLLM V1: (request_id, prompt, params)
+    engine.add_request("v1-ids", {"prompt_token_ids": [504, 8085]}, GREEDY)
+    book = engine.add_request("The capital of France is", GREEDY, request_id="book")  # the book's order
+    with pytest.raises(ValueError, match="^request_id"):
+        engine.add_request(7, "Hi", GREEDY)
+    with pytest.raises(ValueError, match="^params"):
+        engine.add_request("Hi", 0.5)  # the book's order with settings that are not a SamplingParams
+    finished: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert isinstance(out, RequestOutput)
+            finished.update({out.request_id: out} if out.finished else {})
+    assert book == "book" and set(finished) == {"v1-text", "v1-ids", "book"}
+    assert finished["v1-text"].prompt == "The capital of France is" and finished["v1-ids"].prompt is None
+    assert finished["v1-text"].outputs[0].token_ids == finished["book"].outputs[0].token_ids
+
+
+def test_reset_prefix_cache_as_vllm(llm):
+    engine = llm.llm_engine
+    llm.generate("A prompt long enough to fill a block of the prefix cache, and a bit more", GREEDY, use_tqdm=False)
+    assert engine.block_manager.num_cached_blocks > 0
+    assert llm.reset_prefix_cache() is True
+    assert engine.block_manager.num_cached_blocks == 0
+    engine.add_request("held", "Another prompt that holds its blocks while it runs, for a while", GREEDY)
+    engine.step()
+    assert llm.reset_prefix_cache() is False, "a running request holds blocks"
+    assert llm.reset_prefix_cache(reset_running_requests=True) is True
+    while engine.has_unfinished_requests():
+        engine.step()  # the preempted request is recomputed and ends normally
+
+
+def test_sleep_and_wake_up_are_refused_by_name(llm):
+    with pytest.raises(NotImplementedError, match="sleep"):
+        llm.sleep(level=1)
+    with pytest.raises(NotImplementedError, match="wake_up"):
+        llm.wake_up()

@@ -1,4 +1,5 @@
-"""vLLM's offline API beyond ``generate``: the engine's global ``seed``, ``trust_remote_code``.
+"""vLLM's offline API beyond ``generate``: the engine's global ``seed``, ``trust_remote_code``, the
+rule ``bad_words`` bans by.
 
 The engines here run the session's tiny Llama (token-id prompts, no tokenizer), eagerly.
 """
@@ -11,9 +12,12 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_from_scratch import LLM, SamplingParams
 from vllm_from_scratch.config import EngineConfig
+from vllm_from_scratch.sampler import banned_bad_words
 
 TINY = dict(dtype="float32", num_kvcache_blocks=64, max_model_len=256, warm_up=False, enforce_eager=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
@@ -65,3 +69,15 @@ def test_trust_remote_code_is_accepted_and_remote_code_is_never_run(tiny_llama_d
     assert not caplog.records, "a checkpoint that asks for no remote code gets no warning"
     with pytest.raises(ValueError, match="trust_remote_code"):
         EngineConfig(tiny_llama_dir, trust_remote_code="yes")
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(
+    words=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=3), max_size=4),
+    output=st.lists(st.integers(0, 4), max_size=6),
+)
+def test_a_bad_word_bans_the_token_that_would_complete_it(words, output):
+    """vLLM's rule read another way: the next token is banned when, appended to the generated
+    tokens, it would make them end with a whole bad word."""
+    completing = {w[-1] for w in words if len(w) <= len(output) + 1 and (output + [w[-1]])[-len(w) :] == w}
+    assert set(banned_bad_words(words, output)) == completing

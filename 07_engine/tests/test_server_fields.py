@@ -386,3 +386,13 @@ def test_vllm_request_metric_families_after_a_request(client):
     iteration = re.search(rf"^vllm:iteration_tokens_total_sum{{{re.escape(label)}}} (\S+)$", text, re.M)
     assert iteration and float(iteration.group(1)) == 3 + 4
     assert "# TYPE vllm:request_success_total counter" in text
+
+
+def test_bad_words_and_allowed_token_ids_reach_the_engine_checked(client, engine):
+    for body, field in (({"allowed_token_ids": []}, "allowed_token_ids"), ({"bad_words": [""]}, "bad_words")):
+        assert_error(client.post("/v1/completions", json={"prompt": "hi", **body}), 400, field)
+    engine.params.clear()
+    resp = client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2, "bad_words": ["Paris"]})
+    assert resp.status_code == 200, resp.text
+    [params] = engine.params.values()
+    assert params.bad_words == ["Paris"] and params.bad_words_token_ids, "tokenized by the server's input processor"

@@ -498,6 +498,38 @@ class EngineConfig:
         return {f.name: getattr(args, f.name) for f in _settings(cls)}
 
 
+class EngineArgs:
+    """vLLM's ``EngineArgs``: a model and the engine's settings, from keywords or from the command
+    line, for ``LLMEngine.from_engine_args`` (vLLM's scripts build their engine this way).
+
+    ``model`` is a checkpoint directory (None: the embedded default model); every keyword is an
+    :class:`EngineConfig` setting, checked when the engine is built.
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs: Any):
+        self.model = model
+        self.engine_kwargs = engine_kwargs
+
+    @property
+    def model_dir(self) -> str:
+        if self.model is not None:
+            return self.model
+        from vllm_from_scratch.default_model import default_model_dir
+
+        return default_model_dir()
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """``--model`` and one flag per :class:`EngineConfig` setting; returns ``parser``, as vLLM's does."""
+        parser.add_argument("--model", help="Hugging Face model directory (default: the embedded default model)")
+        EngineConfig.add_cli_args(parser)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(args.model, **EngineConfig.cli_kwargs(args))
+
+
 SettingsT = TypeVar("SettingsT", bound="CommandLineSettings")
 
 

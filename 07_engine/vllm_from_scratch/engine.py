@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -38,10 +38,17 @@ from block_manager import BlockManager
 from prefix_block_manager import PrefixCachingBlockManager
 from scheduler import EngineCoreOutput, Request, RequestStatus, Scheduler, SchedulerOutput
 from sequence import Sequence as PagedSequence
-from vllm_from_scratch.config import EngineConfig
+from vllm_from_scratch.config import EngineArgs, EngineConfig
 from vllm_from_scratch.distributed import make_executor
 from vllm_from_scratch.errors import ParameterError
-from vllm_from_scratch.input_processor import EngineCoreRequest, InputProcessor, eos_token_ids, load_tokenizer
+from vllm_from_scratch.input_processor import (
+    EngineCoreRequest,
+    InputProcessor,
+    PromptType,
+    eos_token_ids,
+    load_tokenizer,
+    parse_prompt,
+)
 from vllm_from_scratch.metrics_reader import Metric, get_metrics_snapshot
 from vllm_from_scratch.model_runner import ModelRunner, ModelRunnerOutput
 from vllm_from_scratch.output_processor import OutputProcessor, OutputProcessorOutput
@@ -226,20 +233,43 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(
         self,
-        prompt: str | list[int] | EngineCoreRequest,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
+        prompt: PromptType | EngineCoreRequest,
+        params: SamplingParams | PromptType | EngineCoreRequest | None = None,
+        request_id: str | SamplingParams | None = None,
         priority: int = 0,
         fit_max_tokens: bool = True,
     ) -> str:
         """Queue a request; returns its id. Raises ``ValueError`` (and queues nothing) on bad input.
 
-        ``prompt`` is text or token ids, checked by :attr:`input_processor` with ``params``,
-        ``priority`` and ``fit_max_tokens`` (``InputProcessor.process_inputs``); or a request
-        that went through an input processor already (the server's, in its worker threads).
+        Two calling orders, told apart by the second argument's type:
+
+        * the book's, ``add_request(prompt, params=None, request_id=None, ...)``: ``params`` is a
+          :class:`SamplingParams` or None;
+        * vLLM V1's, ``add_request(request_id, prompt, params)``: the second argument is a prompt
+          (text, token ids, ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``, or a processed
+          request), so the first is the id and the third the settings.
+
+        ``prompt`` is checked by :attr:`input_processor` with ``params``, ``priority`` and
+        ``fit_max_tokens`` (``InputProcessor.process_inputs``), unless it is an
+        :class:`EngineCoreRequest`, a request that went through an input processor already (the
+        server's, in its worker threads).
         """
+        if isinstance(params, (str, list, tuple, Mapping, EngineCoreRequest)):
+            # vLLM V1's order: (request_id, prompt, params).
+            request_id, prompt, params = prompt, params, request_id  # type: ignore[assignment]
+            if not isinstance(request_id, str):
+                raise ParameterError("request_id", f"must be a string, got {type(request_id).__name__}")
         if not isinstance(prompt, EngineCoreRequest):
-            prompt = self.input_processor.process_inputs(request_id, prompt, params, priority, fit_max_tokens)
+            # vLLM's TextPrompt / TokensPrompt dicts; text and token ids go to the checks as they are.
+            text, source = parse_prompt(prompt, "prompt") if isinstance(prompt, Mapping) else (None, prompt)
+            prompt = self.input_processor.process_inputs(
+                request_id,  # type: ignore[arg-type]
+                source,
+                params,  # type: ignore[arg-type]
+                priority,
+                fit_max_tokens,
+                prompt_text=text,
+            )
         self.add_requests([prompt])
         return prompt.request_id
 
@@ -337,10 +367,49 @@ class LLMEngine:
         if self.tracer is not None:
             self.tracer.record_abort(req)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix block (vLLM's): True once done, False while a request holds
+        blocks, unless ``reset_running_requests`` preempts the running ones first (they are
+        recomputed when they run again). ``reset_connector`` would also clear the global KV pool,
+        which this engine leaves to the pool's own eviction: refused when there is one.
+        """
+        if reset_connector and self.kv_connector is not None:
+            raise ParameterError("reset_connector", "is not supported: the global KV pool evicts on its own")
+        bm = self.block_manager
+        if not isinstance(bm, PrefixCachingBlockManager):
+            return True  # nothing is cached
+        if reset_running_requests:
+            self.scheduler.preempt_running()  # chapter 04's preemption: blocks freed, recomputed later
+        if not bm.reset_prefix_cache():
+            log.warning("the prefix cache was not reset: %d blocks are in use", len(bm.used_block_ids))
+            return False
+        return True
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's sleep mode frees the GPU's weights and KV cache for another process to use; this
+        engine does not have it, and says so rather than pretend (its memory stays allocated)."""
+        raise NotImplementedError(
+            "sleep() is not supported by this engine: it keeps its weights and KV cache allocated "
+            "(use shutdown() and a new LLM to free them)"
+        )
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """See :meth:`sleep`: there is no sleep mode to wake from."""
+        raise NotImplementedError("wake_up() is not supported by this engine: it has no sleep mode (see sleep())")
+
+    def is_sleeping(self) -> bool:
+        """Always False: this engine has no sleep mode (:meth:`sleep`)."""
+        return False
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_requests() or any(group.parked for group in self._forking)
 
     # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """vLLM's constructor from :class:`~vllm_from_scratch.config.EngineArgs`."""
+        return cls(engine_args.model_dir, **engine_args.engine_kwargs)
+
     def _make_block_manager(self, num_blocks: int) -> BlockManager:
         if self.config.enable_prefix_caching:
             return EnginePrefixCachingBlockManager(num_blocks, self.config.kvcache_block_size)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from vllm_from_scratch.errors import ParameterError
-from vllm_from_scratch.sampling_params import SamplingParams, check_int
+from vllm_from_scratch.sampling_params import MAX_NUM_BAD_WORDS, SamplingParams, check_int
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -266,9 +266,36 @@ class InputProcessor:
             )
         if params.max_tokens != max_tokens:
             params = params.clone(max_tokens=max_tokens)
+        if params.bad_words:
+            params = params.clone(_bad_words_token_ids=self.tokenize_bad_words(params.bad_words))
         text = prompt if prompt_text is None and isinstance(prompt, str) else prompt_text
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         return EngineCoreRequest(request_id, text, token_ids, params, priority)
+
+    def tokenize_bad_words(self, bad_words: list[str]) -> list[list[int]]:
+        """vLLM's reading of ``bad_words``: each word tokenized alone and after a space (a word
+        at the start of the text, and one in the middle of it), the second kept only where the
+        space makes a different token sequence of the same length."""
+        if self.tokenizer is None:
+            raise ParameterError("bad_words", "needs a tokenizer, and this checkpoint has none")
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not alone:
+                raise ParameterError("bad_words", f"entries must tokenize to at least one token, got {word!r}")
+            sequences.append(alone)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        if len(sequences) > MAX_NUM_BAD_WORDS:
+            raise ParameterError(
+                "bad_words", f"make {len(sequences)} token sequences, more than the {MAX_NUM_BAD_WORDS} allowed"
+            )
+        vocab = self.config.vocab_size
+        bad = [t for sequence in sequences for t in sequence if t >= vocab]
+        if bad:
+            raise ParameterError("bad_words", f"tokenize to ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return sequences
 
     def check_sampling_support(self, params: SamplingParams) -> None:
         """What :meth:`SamplingParams.validate` cannot know: the vocabulary, and which fields
@@ -278,9 +305,13 @@ class InputProcessor:
         vocab = cfg.vocab_size
         if params.n > cfg.max_n_sequences:
             raise ParameterError("n", f"must be at most {cfg.max_n_sequences} (max_n_sequences), got {params.n}")
-        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
-        if bad:
-            raise ParameterError("logit_bias", f"holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        for name, ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ParameterError(name, f"holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > vocab:
@@ -308,3 +339,5 @@ class InputProcessor:
             ):
                 if getattr(params, name) != off:
                     raise ParameterError(name, "is not supported with speculative decoding (speculative_config)")
+            if params.bad_words:  # which token is banned depends on the tokens before it, drafts included
+                raise ParameterError("bad_words", "is not supported with speculative decoding (speculative_config)")

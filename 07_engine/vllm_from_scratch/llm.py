@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from tqdm.auto import tqdm
 
+from vllm_from_scratch.beam_search import BeamSearchOutput, beam_search
 from vllm_from_scratch.chat_utils import render_chat
 from vllm_from_scratch.engine import LLMEngine
 from vllm_from_scratch.errors import ParameterError
-from vllm_from_scratch.input_processor import ParsedPrompt, PromptType, describe, parse_prompts
+from vllm_from_scratch.input_processor import ParsedPrompt, PromptType, describe, encode_prompt, parse_prompts
 from vllm_from_scratch.metrics_reader import Metric
-from vllm_from_scratch.outputs import RequestOutput
-from vllm_from_scratch.sampling_params import RequestOutputKind, SamplingParams
+from vllm_from_scratch.outputs import Logprob, RequestOutput
+from vllm_from_scratch.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -129,6 +130,81 @@ class LLM:
             )
             parsed.append((text, ids))
         return self._run(parsed, sampling_params, use_tqdm, None)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: object = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (:mod:`~vllm_from_scratch.beam_search` says how, and how it differs
+        from Hugging Face's): one :class:`~vllm_from_scratch.beam_search.BeamSearchOutput` per
+        prompt, its ``sequences`` the ``beam_width`` best, best first.
+
+        ``prompts`` as for :meth:`generate`. ``concurrency_limit``: prompts searched together
+        (None: all). Each step runs every live beam as a one-token request through the engine;
+        beams share their common prefix's KV blocks through the prefix cache.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ParameterError("params", f"must be a BeamSearchParams, got {type(params).__name__}")
+        if lora_request is not None:
+            raise ParameterError("lora_request", "is not supported: this engine serves no LoRA adapters")
+        if concurrency_limit is not None and (
+            not isinstance(concurrency_limit, int) or isinstance(concurrency_limit, bool) or concurrency_limit < 1
+        ):
+            raise ParameterError("concurrency_limit", f"must be a positive int or None, got {concurrency_limit!r}")
+        engine = self.llm_engine
+        cfg = engine.config
+        if params.beam_width > cfg.max_n_sequences:
+            raise ParameterError(
+                "beam_width", f"must be at most {cfg.max_n_sequences} (max_n_sequences), got {params.beam_width}"
+            )
+        parsed = parse_prompts(prompts)
+        token_ids = [encode_prompt(self.tokenizer, source, cfg.vocab_size, cfg.max_model_len) for _, source in parsed]
+        longest = max(len(t) for t in token_ids)
+        if longest + params.max_tokens > cfg.max_model_len:
+            raise ParameterError(
+                "max_tokens",
+                f"({params.max_tokens}) plus the longest prompt ({longest} tokens) exceeds max_model_len "
+                f"({cfg.max_model_len})",
+            )
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else next(iter(engine.eos_token_ids), None)
+        step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature)
+
+        def expand(beams: list[list[int]]) -> list[dict[int, Logprob]]:
+            outputs = self._run([(None, tokens) for tokens in beams], step, False, None)
+            return [out.outputs[0].logprobs[0] for out in outputs]  # type: ignore[index]
+
+        limit = concurrency_limit or len(token_ids)
+        results: list[BeamSearchOutput] = []
+        with tqdm(
+            total=params.max_tokens * -(-len(token_ids) // limit), desc="Beam search", disable=not use_tqdm
+        ) as bar:
+            for start in range(0, len(token_ids), limit):
+                found = beam_search(token_ids[start : start + limit], params, eos, expand, lambda: bar.update(1))
+                for sequences in found:
+                    if self.tokenizer is not None:
+                        for seq in sequences:
+                            seq.text = str(
+                                self.tokenizer.decode(seq.tokens, skip_special_tokens=params.skip_special_tokens)
+                            )
+                    results.append(BeamSearchOutput(sequences))
+        return results
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix block; False while requests hold blocks (vLLM's;
+        :meth:`LLMEngine.reset_prefix_cache`)."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Not supported: raises ``NotImplementedError`` saying so (:meth:`LLMEngine.sleep`)."""
+        self.llm_engine.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Not supported: raises ``NotImplementedError`` saying so (:meth:`LLMEngine.sleep`)."""
+        return self.llm_engine.wake_up(tags)
 
     def _run(
         self,

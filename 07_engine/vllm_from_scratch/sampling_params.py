@@ -1,4 +1,5 @@
-"""How to pick each next token: vLLM's ``SamplingParams``, with its defaults."""
+"""How to pick each next token: vLLM's ``SamplingParams``, with its defaults, and
+``BeamSearchParams`` for ``LLM.beam_search``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import enum
 import logging
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_from_scratch.errors import ParameterError
@@ -15,6 +16,8 @@ from vllm_from_scratch.errors import ParameterError
 log = logging.getLogger(__name__)
 
 INT64_MAX = 2**63 - 1
+# vLLM's cap on the token sequences ``bad_words`` may become (VLLM_MAX_NUM_BAD_WORDS).
+MAX_NUM_BAD_WORDS = 128
 # vLLM's bounds on temperature: at most 2, and a positive temperature below 0.01 is raised to
 # 0.01 (logits divided by less overflow float32 into inf and NaN); 0 means greedy.
 MAX_TEMPERATURE = 2.0
@@ -110,6 +113,12 @@ class SamplingParams:
             Such a request takes no prefix-cache hits: its prompt is recomputed to score it.
         skip_special_tokens: leave special tokens (EOS, chat-template markers) out of ``text``;
             ``token_ids`` always holds them. vLLM's default True.
+        bad_words: words never to generate (vLLM's): each is tokenized alone and after a space
+            (the two ways a word starts), and the last token of such a sequence is banned
+            whenever the tokens generated just before it are the rest of the sequence. Needs
+            a tokenizer; the engine tokenizes them once per request.
+        allowed_token_ids: the only token ids that may be generated (every other logit is
+            masked); non-empty, inside the vocabulary.
         truncate_prompt_tokens: keep only the prompt's last ``k`` tokens (left truncation);
             -1: the last ``max_model_len``; None: no truncation. The engine checks it against
             ``max_model_len``.
@@ -139,8 +148,12 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # ``bad_words`` as token sequences: set by the engine's input processor, which has the tokenizer.
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -151,6 +164,10 @@ class SamplingParams:
             raise ParameterError("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, (list, tuple)):
+            self.bad_words = list(dict.fromkeys(self.bad_words))  # vLLM drops repeats, keeping order
+        if isinstance(self.allowed_token_ids, (list, tuple)):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {_token_key(k): _clamp_bias(v) for k, v in self.logit_bias.items()}
         self.validate()
@@ -206,6 +223,18 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 0)
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w for w in self.bad_words)
+        ):
+            raise ParameterError("bad_words", f"must be a list of non-empty strings, got {self.bad_words!r}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ParameterError(
+                    "allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids!r}"
+                )
+            if not _all_token_ids(self.allowed_token_ids):
+                for t in self.allowed_token_ids:
+                    check_int("allowed_token_ids", t, 0)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1)
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -227,6 +256,12 @@ class SamplingParams:
         return params
 
     @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """``bad_words`` as the token sequences the sampler bans (vLLM's property); None until
+        the engine has tokenized them."""
+        return self._bad_words_token_ids
+
+    @property
     def uses_penalties(self) -> bool:
         """Whether any of the three penalties is on (they need the request's token counts)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
@@ -234,3 +269,39 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+@dataclass
+class BeamSearchParams:
+    """``LLM.beam_search``'s settings (vLLM's ``BeamSearchParams``, its names and defaults).
+
+    Args:
+        beam_width: beams kept at each step, and sequences returned per prompt (>= 1).
+        max_tokens: tokens to generate at most (>= 1); the search runs this many steps unless
+            every beam has ended.
+        ignore_eos: treat EOS as an ordinary token: no beam ends before ``max_tokens``.
+        temperature: the temperature of the draw each beam's step makes (0: greedy); the drawn
+            token joins that beam's candidates beside its ``2 * beam_width`` most likely ones.
+            The scores are always the model's raw log-probabilities.
+        length_penalty: a sequence's score is its summed log-probability divided by its length
+            (prompt included, a final EOS not) to this power (vLLM's rule, :mod:`beam_search`).
+        include_stop_str_in_output: accepted for vLLM's scripts; the search has no stop strings.
+        skip_special_tokens: leave special tokens out of each sequence's ``text``.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("beam_width", self.beam_width, 1)
+        check_int("max_tokens", self.max_tokens, 1)
+        check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        check_float("length_penalty", self.length_penalty, -math.inf)
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ParameterError(flag, f"must be true or false, got {getattr(self, flag)!r}")
