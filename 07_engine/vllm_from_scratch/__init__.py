@@ -17,6 +17,7 @@ _EXPORTS = {
     "RequestOutput": "vllm_from_scratch.outputs",  # vLLM's result; the engine's step record is engine.RequestOutput
     "CompletionOutput": "vllm_from_scratch.outputs",
     "SamplingParams": "vllm_from_scratch.sampling_params",
+    "StructuredOutputsParams": "vllm_from_scratch.sampling_params",
     "default_model_dir": "vllm_from_scratch.default_model",
     "register_model": "vllm_from_scratch.models",
 }

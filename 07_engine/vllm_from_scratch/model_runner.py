@@ -29,6 +29,7 @@ from vllm_from_scratch.loader import get_model
 from vllm_from_scratch.sampler import LogprobsLists, ProcessorEntries, Sampler, SamplingMetadata, gather_logprobs
 from vllm_from_scratch.sampling_params import SamplingParams
 from vllm_from_scratch.spec_decoding import RejectionSampler
+from vllm_from_scratch.structured_output import GrammarOutput, apply_grammar_bitmask
 
 # Longest dummy prompt of the warm-up; a step at the token budget is several of them.
 WARM_UP_ROW = 256
@@ -401,8 +402,12 @@ class ModelRunner:
         return self._logits(self._forward(batch)[batch.logits_indices])
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         """Run one scheduled step: the batch, one forward, the sampling rows' logits, the sampler.
+        ``grammar_output``: the masks of the constrained requests, applied to their rows first
+        (``structured_output.py``).
 
         Every rank runs the forward and the prompt rows' logits (collectives); rank 0 alone
         samples and returns what the step gave (:class:`ModelRunnerOutput`), the others an empty
@@ -417,6 +422,8 @@ class ModelRunner:
             self.kv_worker.save(scheduler_output.kv_connector_metadata.saves)
         if logits is None or logits.shape[0] == 0:
             return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
+        if grammar_output is not None:
+            apply_grammar_bitmask(logits, grammar_output, info.ids, info.num_sample_rows)
         metadata = self._sampling_metadata(scheduler_output, info, logits)
         if self.rejection_sampler is None:
             sampled = self.sampler.sample(logits, metadata)
