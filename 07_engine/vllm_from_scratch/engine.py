@@ -91,6 +91,7 @@ class LLMEngine:
             self.config.vocab_size,
             tuple(self.eos_token_ids),
             spec.num_speculative_tokens if spec is not None else 0,
+            self.config.structured_outputs.disable_any_whitespace,
         )
         self._compiling: list[CompilingRequests] = []  # requests waiting for their grammar
         self._constrained: set[str] = set()  # live requests with a grammar: a step without any builds no mask

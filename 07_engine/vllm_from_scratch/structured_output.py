@@ -187,11 +187,20 @@ class StructuredOutputManager:
     ``tokenizer``'s vocabulary, padded to the model's ``vocab_size`` (the logits' width), is
     read once, in the worker, at the first constraint. ``stop_token_ids`` (the model's EOS) are
     the tokens a complete grammar allows. ``max_rollback_tokens``: the most drafts a step
-    checks (speculative decoding's k).
+    checks (speculative decoding's k). ``disable_any_whitespace``: no request's JSON has
+    whitespace between tokens (``structured_outputs_config``), whatever it asks.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], max_rollback_tokens: int = 0):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: tuple[int, ...],
+        max_rollback_tokens: int = 0,
+        disable_any_whitespace: bool = False,
+    ):
         self.tokenizer = tokenizer
+        self.disable_any_whitespace = disable_any_whitespace
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self.max_rollback_tokens = max_rollback_tokens
@@ -206,10 +215,11 @@ class StructuredOutputManager:
         """The compiled grammar of ``params``, as a future: the one already compiled (or being
         compiled) for the same constraint, or a new compilation queued in the worker."""
         kind, text = grammar_source(params)
-        key = (kind, text, params.disable_any_whitespace)
+        compact = params.disable_any_whitespace or self.disable_any_whitespace
+        key = (kind, text, compact)
         future = self._grammars.get(key)
         if future is None or (future.done() and future.exception() is not None):  # a failure is retried
-            future = self._executor.submit(self._compile, kind, text, params.disable_any_whitespace)
+            future = self._executor.submit(self._compile, kind, text, compact)
             self._grammars[key] = future
             while len(self._grammars) > GRAMMAR_CACHE_SIZE:
                 self._grammars.popitem(last=False)
