@@ -97,6 +97,7 @@ def build_app(
     max_request_bytes: int | None = None,
     default_sampling_params: Mapping[str, Any] | None = None,
     limits: ServingLimits | None = None,
+    tool_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI application serving ``engine`` (an ``LLMEngine`` or anything with its API).
 
@@ -107,7 +108,8 @@ def build_app(
     :func:`default_max_request_bytes` of the engine's ``max_model_len``).
     ``default_sampling_params``: the model's sampling defaults for fields a request leaves unset
     (:func:`serving.generation_config_defaults`). ``limits``: what one request may ask for
-    (:class:`config.ServingLimits`; default: its defaults).
+    (:class:`config.ServingLimits`; default: its defaults). ``tool_parser``: how "auto" tool
+    calls are found in a chat's text (``tool_calling.TOOL_PARSERS``; None: "auto" is refused).
     """
     metrics = ServerMetrics(served_model_name, lambda: llm.stats, engine.max_model_len)
     llm = AsyncLLM(engine, metrics)
@@ -118,6 +120,7 @@ def build_app(
         default_sampling_params,
         getattr(engine.config, "scheduling_policy", "fcfs"),
         limits,
+        tool_parser,
     )
 
     @asynccontextmanager

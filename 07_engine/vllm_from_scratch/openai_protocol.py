@@ -25,6 +25,15 @@ from pydantic.types import FailFast
 from typing_extensions import TypeAliasType, TypeIs
 
 from vllm_from_scratch.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm_from_scratch.tool_calling import (
+    TOOL_PARSERS,
+    ChatCompletionTool,
+    NamedToolChoice,
+    ToolCallExtractor,
+    ToolChoice,
+    template_messages,
+    tool_constraint,
+)
 
 
 class APIError(Exception):
@@ -507,6 +516,52 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling (tool_calling.py): tool_choice null is "auto" with tools, else "none".
+    tools: FirstErrorList[ChatCompletionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def check_tools(self, tool_parser: str | None) -> None:
+        """vLLM's rules, each a 400 naming the field: a tool_choice other than "none" needs
+        tools, a named function must be one of them, "auto" needs the server's tool parser
+        (``--enable-auto-tool-choice --tool-call-parser``), and a call forced by a grammar
+        leaves no room for another constraint."""
+        choice = self.effective_tool_choice
+        if choice != "none" and not self.tools:
+            raise APIError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+        names = {t.function.name for t in self.tools or ()}
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            name = choice.function.name
+            raise APIError(
+                f"The tool {name!r} in `tool_choice` is not one of `tools` ({sorted(names)})", param="tool_choice"
+            )
+        if choice == "auto" and tool_parser is None:
+            raise APIError(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                param="tool_choice",
+            )
+        if (choice == "required" or isinstance(choice, NamedToolChoice)) and (
+            self.structured_outputs is not None
+            or (self.response_format is not None and self.response_format.type != "text")
+        ):
+            raise APIError(
+                "a required or named tool_choice cannot be combined with another constraint", param="tool_choice"
+            )
+
+    def tool_extractor(self, tool_parser: str | None) -> ToolCallExtractor:
+        parser = TOOL_PARSERS[tool_parser]() if tool_parser is not None and self.tools else None
+        return ToolCallExtractor(self.effective_tool_choice, parser, self.parallel_tool_calls)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """A required or named ``tool_choice``'s schema, else the shared rules'."""
+        forced = tool_constraint(self.tools or [], self.effective_tool_choice, self.parallel_tool_calls)
+        return forced if forced is not None else super().structured_outputs_params()
 
     def check_logprobs(self, max_logprobs: int) -> None:
         """The shared rules, after vLLM's two for ``top_logprobs``: not negative, and not above
@@ -546,10 +601,11 @@ class ChatCompletionRequest(_SamplingFields):
             and ("add_generation_prompt" in self.model_fields_set or not self.continue_final_message),
             "continue_final_message": bool(self.continue_final_message),
             "chat_template_kwargs": self.chat_template_kwargs,
+            "tools": [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
         }
 
     def conversation(self) -> list[dict[str, Any]]:
-        return message_dicts(self.messages)
+        return template_messages(message_dicts(self.messages))
 
 
 class TokenizeCompletionRequest(BaseModel):

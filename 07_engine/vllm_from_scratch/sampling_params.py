@@ -75,8 +75,10 @@ class StructuredOutputsParams:
         json_object: True: the output is any JSON object.
         disable_any_whitespace: JSON without whitespace between its tokens (a small model may
             otherwise fill its budget with newlines).
-        disable_additional_properties: a schema's objects take no properties besides those it
-            lists, unless it says ``additionalProperties`` itself.
+
+    A schema is read strictly: an object takes no property the schema does not list, unless it
+    says ``additionalProperties`` itself (what vLLM's ``disable_additional_properties`` asks of
+    other backends).
 
     The engine enforces it on the logits (``structured_output.py``); a constraint that cannot be
     compiled is refused with :class:`ParameterError` naming the field.
@@ -88,7 +90,6 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         given = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) is not None]

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from vllm_from_scratch.config import EngineConfig, ServingLimits
+from vllm_from_scratch.tool_calling import TOOL_PARSERS
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="refuse larger request bodies with a 413 before parsing them (default: "
         "128 bytes per token of --max-model-len, plus 64 KiB)",
     )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide whether to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        help="the format the model writes tool calls in: hermes (<tool_call> JSON: Qwen2.5, Qwen3, "
+        "Hermes, SmolLM3) or llama3_json (Llama 3.1+)",
+    )
     ServingLimits.add_cli_args(parser)
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.model and args.model_option and args.model != args.model_option:
         parser.error(f"two models given: {args.model!r} and --model {args.model_option!r}")
     args.model = args.model or args.model_option
@@ -138,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         max_request_bytes=args.max_request_bytes,
         default_sampling_params=sampling_defaults(args, model_dir),
         limits=ServingLimits.from_cli_args(args),
+        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     auth = "API key required" if api_key else "no API key"
     log.info("serving %s on http://%s:%d/v1 (%s)", model_dir, args.host, args.port, auth)
