@@ -307,7 +307,7 @@ class LLMEngine:
         grammar = core_requests[0][1].structured_output
         if grammar is not None:
             self._constrained.update(core.request_id for _, core in core_requests)
-            if not grammar.grammar.done():
+            if not grammar.grammar.done() or grammar.grammar.exception() is not None:  # the next step ends it
                 self._compiling.append(CompilingRequests(grammar.grammar, parent, core_requests))
                 return
         self._schedule_new(parent, core_requests)
