@@ -159,7 +159,7 @@ def test_required_and_named_tool_choice_always_give_a_valid_call(client, model):
         _check_calls(c.message.tool_calls, PARAMETERS)
     named = {"type": "function", "function": {"name": "add"}}
     forced = client.chat.completions.create(
-        model=model, messages=ASK, tools=TOOLS, tool_choice=named, seed=2, max_tokens=32
+        model=model, messages=ASK, tools=TOOLS, tool_choice=named, seed=2, max_tokens=48
     )
     for c in forced.choices:
         assert c.finish_reason == "stop"
