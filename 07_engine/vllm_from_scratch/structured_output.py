@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 # Compiled grammars kept for reuse: a server's clients mostly repeat a few schemas.
 GRAMMAR_CACHE_SIZE = 256
+# xgrammar 0.2.8's CPU kernel corrupts memory on rows narrower than this (2 logits: heap errors
+# within a few hundred calls); a model's vocabulary is thousands wide, a test's may not be.
+KERNEL_MIN_VOCAB = 32
 
 
 def grammar_source(params: StructuredOutputsParams) -> tuple[str, str]:
@@ -271,7 +274,8 @@ def apply_grammar_bitmask(
     ``request_ids[i]`` (the runner's batch order); ``grammar_output``'s masks go to the rows of
     the requests it names, and the other rows are not read. The library's kernel (C++ on a CPU,
     Triton or CUDA on a GPU) indexes the mask and the logits by the same row, so the masks are
-    first scattered into a ``[B, V / 32]`` all-allowed mask.
+    first scattered into a ``[B, V / 32]`` all-allowed mask. A vocabulary narrower than
+    :data:`KERNEL_MIN_VOCAB` is masked by unpacking the bits with torch instead.
     """
     starts: dict[str, int] = {}
     row = 0
@@ -289,6 +293,12 @@ def apply_grammar_bitmask(
     if not logit_rows:
         return
     bitmask = grammar_output.bitmask
+    vocab = logits.shape[1]
+    if vocab < KERNEL_MIN_VOCAB:
+        bits = (bitmask[mask_rows].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.reshape(len(mask_rows), -1)[:, :vocab].bool().to(logits.device)
+        logits[logit_rows] = logits[logit_rows].masked_fill(~allowed, float("-inf"))
+        return
     full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=bitmask.dtype)
     full[logit_rows] = bitmask[mask_rows]
     xgr.apply_token_bitmask_inplace(logits, full.to(logits.device), indices=logit_rows)
