@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -41,6 +43,8 @@ TOOLS = [
         },
     },
 ]
+REPO = Path(__file__).resolve().parents[2]
+LANGCHAIN_PYTHON = REPO / ".venv-langchain" / "bin" / "python"
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -194,6 +198,26 @@ def test_tool_choice_none_and_a_tool_result_follow_up(client, model):
     ]
     answer = client.chat.completions.create(model=model, messages=follow_up, tools=TOOLS, max_tokens=8)
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not LANGCHAIN_PYTHON.exists(),
+    reason="LangChain is optional: build .venv-langchain with 07_engine/benchmarks/make_langchain_venv.sh",
+)
+def test_langchain_structured_output_and_bind_tools_run_unchanged(server):
+    script = REPO / "07_engine" / "benchmarks" / "langchain_check.py"
+    done = subprocess.run(
+        [str(LANGCHAIN_PYTHON), str(script), "--base-url", server + "/v1"], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    checks = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [c["check"] for c in checks] == [
+        "with_structured_output(json_schema)",
+        "with_structured_output(function_calling)",
+        "with_structured_output(json_mode)",
+        "bind_tools(required)",
+    ]
 
 
 def test_hermes_parser_reads_calls_and_keeps_the_text_before():
