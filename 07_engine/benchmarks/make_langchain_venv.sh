@@ -26,18 +26,9 @@ VENV="$ROOT/.venv-langchain"
 PYTHON="${PYTHON:-python3}"
 FORCE=0
 
-while [ $# -gt 0 ]; do
-  case "$1" in
-    -h|--help) usage; exit 0 ;;
-    --venv) VENV="$2"; shift 2 ;;
-    --python) PYTHON="$2"; shift 2 ;;
-    --force) FORCE=1; shift ;;
-    *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
-  esac
-done
-
 # shellcheck source=venv_lib.sh
 source "$(dirname "$0")/venv_lib.sh"
+parse_venv_args "$@"
 fresh_venv "$VENV" "$PYTHON" "$FORCE"
 "$VENV/bin/python" -m pip install -q "langchain-openai==1.7.4" "langchain-core==1.8.1"
 "$VENV/bin/python" -c "from langchain_openai import ChatOpenAI; print('ok: langchain-openai imports')"

@@ -147,16 +147,10 @@ def _check_calls(calls, names):
 
 @pytest.mark.slow
 def test_required_and_named_tool_choice_always_give_a_valid_call(client, model):
-    required = client.chat.completions.create(
-        model=model,
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice="required",
-        parallel_tool_calls=False,
-        n=2,
-        seed=1,
-        max_tokens=64,
+    one_call = dict(
+        model=model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=64
     )
+    required = client.chat.completions.create(**one_call, n=2, seed=1)
     for c in required.choices:
         assert c.finish_reason == "tool_calls"
         assert len(c.message.tool_calls) == 1
@@ -168,15 +162,7 @@ def test_required_and_named_tool_choice_always_give_a_valid_call(client, model):
     for c in forced.choices:
         assert c.finish_reason == "stop"
         _check_calls(c.message.tool_calls, ["add"])
-    stream = client.chat.completions.create(
-        model=model,
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_tokens=64,
-        stream=True,
-    )
+    stream = client.chat.completions.create(**one_call, stream=True)
     deltas = [d for chunk in stream for c in chunk.choices for d in c.delta.tool_calls or ()]
     assert [d.index for d in deltas] == [0]
     _check_calls(deltas, PARAMETERS)
