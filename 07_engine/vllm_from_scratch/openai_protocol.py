@@ -542,9 +542,11 @@ class ChatCompletionRequest(_SamplingFields):
                 f"The tool {name!r} in `tool_choice` is not one of `tools` ({sorted(names)})", param="tool_choice"
             )
         if choice == "auto" and tool_parser is None:
+            # tools alone ask for "auto" by default: the field the client sent is the one named
+            field = "tool_choice" if self.tool_choice is not None else "tools"
             raise APIError(
-                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
-                param="tool_choice",
+                f'{field}: "auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                param=field,
             )
         if (choice == "required" or isinstance(choice, NamedToolChoice)) and (
             self.structured_outputs is not None
