@@ -137,6 +137,8 @@ class LLMEngine:
         if self.kv_connector is not None:
             scheduler_output.kv_connector_metadata = self.kv_connector.build_connector_meta(scheduler_output)
         grammar_output = self.structured_output.grammar_bitmask(scheduler_output) if self._constrained else None
+        if grammar_output is None:  # no constrained request samples this step: no masks to ship
+            return self.executor.call("execute_model", scheduler_output)
         return self.executor.call("execute_model", scheduler_output, grammar_output)
 
     def _update_from_output(
