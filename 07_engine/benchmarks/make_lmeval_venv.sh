@@ -33,18 +33,9 @@ FORCE=0
 LMEVAL_SPEC="lm-eval[api]==0.4.13"
 TRANSFORMERS_SPEC="$(grep -m1 '^transformers==' "$ROOT/requirements.txt")"
 
-while [ $# -gt 0 ]; do
-  case "$1" in
-    -h|--help) usage; exit 0 ;;
-    --venv) VENV="$2"; shift 2 ;;
-    --python) PYTHON="$2"; shift 2 ;;
-    --force) FORCE=1; shift ;;
-    *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
-  esac
-done
-
 # shellcheck source=venv_lib.sh
 source "$(dirname "$0")/venv_lib.sh"
+parse_venv_args "$@"
 fresh_venv "$VENV" "$PYTHON" "$FORCE"
 PIP=("$VENV/bin/python" -m pip)
 

@@ -107,7 +107,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["--dump"]:
 
 # ------------------------------------------------------------------ why a flag is not here
 MULTI_NODE = "one process per tensor-parallel rank on one machine: no multi-node, data, expert or context parallelism"
-TOOLS = "no tool calling: a request's tools and tool_choice are refused by name"
+TOOLS = "tool calling is built in (--tool-call-parser hermes or llama3_json): no parser plug-ins, tool servers or strictness levels"
 CUDA_ONLY = "tunes vLLM's own GPU kernels or allocator; the engine has none of them"
 QUANT = "weights load in bfloat16, float16 or float32: no quantized checkpoints"
 ONE_MODEL = "one text model from a local directory, run by the book's own model classes"
@@ -142,9 +142,7 @@ REASONS = {
     "--default-chat-template-kwargs": "chat_template_kwargs come with each request",
     "--response-role": "the reply's role is always assistant",
     "--return-tokens-as-token-ids": "a request field here (return_tokens_as_token_ids), not a server-wide default",
-    "--enable-auto-tool-choice": TOOLS,
     "--exclude-tools-when-tool-choice-none": TOOLS,
-    "--tool-call-parser": TOOLS,
     "--tool-parser-plugin": TOOLS,
     "--tool-strict-level": TOOLS,
     "--tool-server": TOOLS,
@@ -279,7 +277,6 @@ REASONS = {
     "--reasoning-config": GROUP_REASONS["StructuredOutputsConfig"],
     "--kernel-config": CUDA_ONLY,
     "--additional-config": "no platform plug-ins",
-    "--structured-outputs-config": "no structured outputs: response_format and guided decoding are refused by name",
     "--aux-output-config": "no mixture-of-experts models",
     "--profiler-config": "profile with 07_engine/benchmarks/profile_model.py or --step-trace",
     "--performance-mode": "one mode: the defaults are tuned for the machine (the token budget on a CPU)",
@@ -297,6 +294,8 @@ REASONS.update(
 )
 # vLLM flags our parser has, where something differs from vLLM: what, and why.
 KEPT_NOTES = {
+    "--tool-call-parser": "hermes or llama3_json (the formats of the book's model families)",
+    "--structured-outputs-config": "backend auto or xgrammar, and disable_any_whitespace",
     "--host": "default 127.0.0.1, this machine only (vLLM: every interface); printed at start-up",
     "--max-model-len": "default min(the model's max_position_embeddings, 4096), vLLM's the model's own: a CPU's "
     "2 GiB KV cache cannot hold one 40,960-token sequence of Qwen3-0.6B (4.4 GiB), where vLLM refuses to "

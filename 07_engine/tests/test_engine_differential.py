@@ -30,6 +30,7 @@ from vllm_from_scratch.openai_protocol import (
 from vllm_from_scratch.output_processor import IncrementalDetokenizer
 from vllm_from_scratch.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
 from vllm_from_scratch.spec_decoding import RejectionSampler
+from vllm_from_scratch.structured_output import GrammarOutput, apply_grammar_bitmask
 
 FLOAT32 = dict(atol=1e-6, rtol=1e-5)
 
@@ -391,6 +392,37 @@ def test_incremental_detokenizer_update(differential, tokenizer):
             )
 
     differential.run(check, examples=120)
+
+
+def test_apply_grammar_bitmask(differential):
+    book_fn = differential.book(apply_grammar_bitmask)
+
+    def applied(fn, logits, *args):
+        fn(logits, *args)
+        return logits
+
+    def check(rng):
+        vocab = rng.choice([1, 31, 32, 33, 64, rng.randint(1, 100)])
+        num_rows = [rng.randint(0, 3) for _ in range(rng.randint(1, 5))]
+        ids = [f"req-{i}" for i in range(len(num_rows))]
+        masked = [(rid, n) for rid, n in zip(ids, num_rows) if n and rng.random() < 0.6]
+        rng.shuffle(masked)  # the engine lists the constrained requests in its own order
+        words = (vocab + 31) // 32
+        bitmask = torch.tensor(
+            [[rng.getrandbits(32) - 2**31 for _ in range(words)] for _, n in masked for _ in range(n)],
+            dtype=torch.int32,
+        ).reshape(-1, words)
+        output = GrammarOutput([rid for rid, _ in masked], [n for _, n in masked], bitmask)
+        logits = _logits(rng, sum(num_rows), vocab)
+        differential.agree(
+            f"apply_grammar_bitmask(logits {logits.tolist()}, masks of {masked} {bitmask.tolist()}, {ids}, {num_rows})",
+            differential.call(applied, apply_grammar_bitmask, logits.clone(), output, ids, num_rows),
+            differential.call(applied, book_fn, logits.clone(), output, ids, num_rows),
+            meaning="request i owns num_rows[i] consecutive logits rows; each masked request's rows take its mask rows "
+            "in order; token t is refused (-inf) when bit t % 32 of word t // 32 is 0; other rows are untouched",
+        )
+
+    differential.run(check, examples=200)
 
 
 def test_capture_batch_sizes(differential):

@@ -131,6 +131,12 @@ SERVER_HANDLED = {
     "echo",
     "return_tokens_as_token_ids",
     *IDENTIFYING_FIELDS,
+    # turned into SamplingParams.structured_outputs, or read for tool calls: test_server_structured_outputs
+    "response_format",
+    "structured_outputs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 }
 SKIPPED = {"model", "prompt", "messages"}  # the request itself (model: test_server_protocol)
 

@@ -19,6 +19,7 @@ _EXPORTS = {
     "SamplingParams": "vllm_from_scratch.sampling_params",
     "BeamSearchParams": "vllm_from_scratch.sampling_params",
     "EngineArgs": "vllm_from_scratch.config",
+    "StructuredOutputsParams": "vllm_from_scratch.sampling_params",
     "default_model_dir": "vllm_from_scratch.default_model",
     "register_model": "vllm_from_scratch.models",
 }

@@ -111,6 +111,7 @@ def build_app(
     root_path: str = "",
     log_requests: bool = False,
     log_stats: bool = False,
+    tool_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI application serving ``engine`` (an ``LLMEngine`` or anything with its API).
 
@@ -127,7 +128,8 @@ def build_app(
     (:class:`config.ServingLimits`; default: its defaults). ``root_path``: the prefix a proxy
     serves the app under. ``log_requests``: log each request as it arrives. ``log_stats``: log
     the engine's throughput and load every ``VLLM_LOG_STATS_INTERVAL`` seconds while it works
-    (:func:`log_stats_forever`).
+    (:func:`log_stats_forever`). ``tool_parser``: how "auto" tool
+    calls are found in a chat's text (``tool_calling.TOOL_PARSERS``; None: "auto" is refused).
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
@@ -143,6 +145,7 @@ def build_app(
         getattr(engine.config, "scheduling_policy", "fcfs"),
         limits,
         log_requests,
+        tool_parser,
     )
 
     @asynccontextmanager

@@ -23,6 +23,7 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[str, list[int]]:
     """The text of ``conversation`` through the tokenizer's chat template, and its token ids.
 
@@ -30,8 +31,10 @@ def render_chat(
     an assistant turn for the model to answer; ``continue_final_message`` instead leaves the last
     message open for the model to go on with (vLLM refuses both at once, and so do we).
     ``chat_template_kwargs`` are passed to the template (e.g. ``enable_thinking=False`` for
-    Qwen3). Raises :class:`ParameterError` naming ``messages`` when the checkpoint has no
-    tokenizer or the template refuses the conversation.
+    Qwen3). ``tools`` (OpenAI's function definitions) go to the template, which writes them into
+    the prompt in the model's own format (a template without tools ignores them). Raises
+    :class:`ParameterError` naming ``messages`` when the checkpoint has no tokenizer or the
+    template refuses the conversation.
     """
     if tokenizer is None:
         raise ParameterError("messages", "cannot be rendered: this checkpoint has no tokenizer (no chat template)")
@@ -46,6 +49,7 @@ def render_chat(
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=[dict(t) for t in tools] if tools else None,
             **dict(chat_template_kwargs or {}),
         )
     except Exception as exc:  # noqa: BLE001 - a template error is the messages' fault

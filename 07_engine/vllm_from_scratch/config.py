@@ -181,6 +181,36 @@ class KVTransferConfig:
         return self.kv_role in ("kv_both", "kv_producer")
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """``structured_outputs_config``, with vLLM's keys: ``backend`` ("auto" or "xgrammar", the
+    one this engine has) and ``disable_any_whitespace`` (JSON output without whitespace between
+    its tokens, for every request)."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+
+    @classmethod
+    def from_dict(cls, config: dict) -> StructuredOutputsConfig:
+        """Parse a user's dict; :class:`ParameterError` naming the key that is wrong."""
+        _check_keys("structured_outputs_config", config, cls)
+        parsed = cls(**config)
+        if parsed.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ParameterError(
+                "structured_outputs_config['backend']",
+                f"must be one of {STRUCTURED_OUTPUT_BACKENDS}, got {parsed.backend!r}",
+            )
+        if not isinstance(parsed.disable_any_whitespace, bool):
+            raise ParameterError(
+                "structured_outputs_config['disable_any_whitespace']",
+                f"must be true or false, got {parsed.disable_any_whitespace!r}",
+            )
+        return parsed
+
+
 def resolve_device(device: str) -> torch.device:
     """``"auto"`` is CUDA when present, else CPU; anything else must name a usable device."""
     if not isinstance(device, (str, torch.device)):
@@ -313,6 +343,10 @@ class EngineConfig:
         'the global KV pool (chapter 03) as a KV connector, e.g. {"kv_connector": "mooncake", "kv_role": '
         '"kv_both", "master_server_address": "HOST:PORT", "metadata_server": "http://HOST:PORT/metadata"}'
     )
+    structured_outputs_config: dict | None = setting(
+        'structured outputs (JSON schemas, regexes, grammars), e.g. {"backend": "xgrammar", '
+        '"disable_any_whitespace": true}'
+    )
     warm_up: bool = setting(
         "before the first request, run a prefill of each power of two up to the token budget "
         "and a decode step of each batch size up to max_num_seqs, so that the first batch "
@@ -348,6 +382,7 @@ class EngineConfig:
     torch_device: torch.device = field(init=False, repr=False)
     speculative: SpeculativeConfig | None = field(default=None, init=False, repr=False)
     kv_transfer: KVTransferConfig | None = field(default=None, init=False, repr=False)
+    structured_outputs: StructuredOutputsConfig = field(default=StructuredOutputsConfig(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_environment()
@@ -412,6 +447,8 @@ class EngineConfig:
             self.kvcache_block_size = 256 if self._uses_flash_attn() else 16
         if self.speculative_config is not None:
             self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.structured_outputs_config is not None:
+            self.structured_outputs = StructuredOutputsConfig.from_dict(self.structured_outputs_config)
         if self.kv_transfer_config is not None:
             self.kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
             if not self.enable_prefix_caching:
@@ -623,6 +660,13 @@ class ServerConfig(CommandLineSettings):
         choices=UVICORN_LOG_LEVELS,
     )
     enable_log_requests: bool = setting("log each request as it arrives: its id, prompt length and sampling", False)
+    enable_auto_tool_choice: bool = setting(
+        'let the model decide whether to call tools (tool_choice "auto"); needs --tool-call-parser', False
+    )
+    tool_call_parser: str | None = setting(
+        "the format the model writes tool calls in: hermes (<tool_call> JSON: Qwen2.5, Qwen3, Hermes, "
+        "SmolLM3) or llama3_json (Llama 3.1+)"
+    )
     max_request_bytes: int | None = setting(
         "refuse larger request bodies with a 413 before parsing them; None: 128 bytes per token of "
         "max_model_len, plus 64 KiB",
@@ -635,6 +679,14 @@ class ServerConfig(CommandLineSettings):
         if self.api_key is not None and not all(self.api_key):
             raise ParameterError("api_key", "is empty (an unset shell variable?); leave it out to serve without a key")
         _positive_int("max_request_bytes", self.max_request_bytes, allow_none=True)
+        from vllm_from_scratch.tool_calling import TOOL_PARSERS  # the parsers' module, not the settings'
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ParameterError(
+                "tool_call_parser", f"must be one of {sorted(TOOL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ParameterError("enable_auto_tool_choice", "needs --tool-call-parser: the format to read calls in")
         if self.resolved_log_level() not in LOG_LEVELS:
             level = self.resolved_log_level()
             raise ParameterError("VLLM_LOGGING_LEVEL", f"must be one of {LOG_LEVELS}, got {level!r}")

@@ -20,7 +20,9 @@ The :class:`scheduler.SchedulerOutput` is the one hand-off to the model runner, 
 and nothing else; one record comes back each way after it. ``add_request``/``step``/
 ``abort_request`` are the streaming interface the OpenAI server drives;
 :class:`vllm_from_scratch.llm.LLM` drives the same loop for offline batches. A request with
-``SamplingParams.n`` > 1 runs as ``n`` child requests (``parallel_sampling.py``).
+``SamplingParams.n`` > 1 runs as ``n`` child requests (``parallel_sampling.py``). A request
+with ``structured_outputs`` waits outside the scheduler until its grammar is compiled, and its
+masks go to the model runner with each step (``structured_output.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +60,7 @@ from vllm_from_scratch.parallel_sampling import ParentRequest, ParkedChildren, c
 from vllm_from_scratch.sampler import NO_TOKEN
 from vllm_from_scratch.sampling_params import SamplingParams
 from vllm_from_scratch.step_trace import StepTracer
+from vllm_from_scratch.structured_output import StructuredOutputManager, StructuredOutputRequest
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -94,6 +98,16 @@ class LLMEngine:
         self.scheduler = self._make_scheduler()
         self.drafter = self._make_drafter(num_blocks)
         self._forking: list[ParkedChildren] = []  # children waiting for their child 0's prompt
+        spec = self.config.speculative
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer,
+            self.config.vocab_size,
+            tuple(self.eos_token_ids),
+            spec.num_speculative_tokens if spec is not None else 0,
+            self.config.structured_outputs.disable_any_whitespace,
+        )
+        self._compiling: list[CompilingRequests] = []  # requests waiting for their grammar
+        self._constrained: set[str] = set()  # live requests with a grammar: a step without any builds no mask
         self._pending = OutputProcessorOutput()  # ends since the last step (aborts), which it reports
         self._step_output = OutputProcessorOutput()  # the step in progress: what it reports so far
         self._step_requests: list[Request] = []  # ... and the requests it scheduled
@@ -135,6 +149,8 @@ class LLMEngine:
         self._step_output, self._pending = self._pending, OutputProcessorOutput()
         self._step_requests = []
         self._queue_parked_children()
+        if self._compiling:
+            self._queue_compiled()
         if self.kv_connector is not None:
             self._load_remote_kv(self.kv_connector)
         if self.drafter is not None:
@@ -147,7 +163,10 @@ class LLMEngine:
         self._step_requests = list(scheduler_output.scheduled_requests)
         if self.kv_connector is not None:
             scheduler_output.kv_connector_metadata = self.kv_connector.build_connector_meta(scheduler_output)
-        return self.executor.call("execute_model", scheduler_output)
+        grammar_output = self.structured_output.grammar_bitmask(scheduler_output) if self._constrained else None
+        if grammar_output is None:  # no constrained request samples this step: no masks to ship
+            return self.executor.call("execute_model", scheduler_output)
+        return self.executor.call("execute_model", scheduler_output, grammar_output)
 
     def _update_from_output(
         self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
@@ -164,11 +183,26 @@ class LLMEngine:
                 for pos in range(len(sampled[rid]) - 1):
                     self.spec_accepted_per_pos[pos] += 1
         self._fail(undrawable, "no token to draw: every logit was -inf (all banned) or NaN")
+        if self._constrained:
+            self._accept_constrained(sampled)
         return self.scheduler.update_from_output(scheduler_output, sampled)
+
+    def _accept_constrained(self, sampled: dict[str, list[int]]) -> None:
+        """Advance each constrained request's matcher by the tokens it drew; a token its grammar
+        refuses (which the mask should have made impossible) ends that request in error."""
+        refused = []
+        for rid in self._constrained.intersection(sampled):
+            so = self.scheduler.requests[rid].structured_output  # type: ignore[attr-defined]
+            if not so.accept_tokens(sampled[rid]):
+                refused.append(rid)
+                del sampled[rid]
+        self._fail(refused, "its grammar refused a sampled token")
 
     def _end_step(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput) -> list[RequestOutput]:
         output = self._step_output
         self._record_finished(output)
+        if self._constrained:
+            self._constrained -= scheduler_output.finished_request_ids | set(output.finished)
         if self.drafter is not None:
             self.drafter.release(scheduler_output.finished_request_ids | set(output.finished))
         if self.tracer is not None and not scheduler_output.is_empty():
@@ -207,6 +241,24 @@ class LLMEngine:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
             log.error("request %s ends with an error: %s", rid, why)
         self._step_output.extend(self.output_processor.end_requests(request_ids, "error", why))
+
+    def _queue_compiled(self) -> None:
+        """Queue the requests whose grammar is compiled; end those whose grammar failed. With
+        nothing else to run, wait for the first grammar rather than spin through empty steps."""
+        if not self.scheduler.has_requests() and not any(g.parked for g in self._forking):
+            wait([self._compiling[0].grammar], timeout=0.1)
+        compiling = []
+        for group in self._compiling:
+            if not group.core_requests:  # all aborted
+                continue
+            if not group.grammar.done():
+                compiling.append(group)
+            elif group.grammar.exception() is not None:
+                ids = [r.request_id for _, r in group.core_requests]
+                self._fail(ids, f"its grammar did not compile: {group.grammar.exception()!r}")
+            else:
+                self._schedule_new(group.parent, group.core_requests)
+        self._compiling = compiling
 
     def _queue_parked_children(self) -> None:
         """Queue the parked children of each parent whose child 0 has computed its prompt."""
@@ -310,6 +362,9 @@ class LLMEngine:
             (r, EngineRequest(r, self.eos_token_ids, cfg.kvcache_block_size, cfg.torch_device, stop_token_ids))
             for r in requests
         ]
+        if params.structured_outputs is not None:
+            for _, core in core_requests:  # one compiled grammar, a matcher per completion
+                core.structured_output = self.structured_output.new_request(params.structured_outputs)
         self.scheduler.check_schedulable(core_requests[0][1])  # e.g. more KV blocks than the whole cache
         return parent, core_requests
 
@@ -327,6 +382,19 @@ class LLMEngine:
                     parent.request_id if parent is not None else None,
                     len(core_requests),
                 )
+        grammar = core_requests[0][1].structured_output
+        if grammar is not None:
+            self._constrained.update(core.request_id for _, core in core_requests)
+            if not grammar.grammar.done() or grammar.grammar.exception() is not None:  # the next step ends it
+                self._compiling.append(CompilingRequests(grammar.grammar, parent, core_requests))
+                return
+        self._schedule_new(parent, core_requests)
+
+    def _schedule_new(
+        self, parent: ParentRequest | None, core_requests: list[tuple[EngineCoreRequest, EngineRequest]]
+    ) -> None:
+        """Hand new requests to the scheduler: child 0 at once, its siblings once its prompt is
+        cached when it has prefix hits to share (``parallel_sampling.py``)."""
         (_, first), *rest = core_requests
         self.scheduler.add_request(first)
         bm = self.block_manager
@@ -349,7 +417,15 @@ class LLMEngine:
         return bool(aborted)
 
     def _abort(self, request_id: str) -> bool:
-        """Stop core request ``request_id``, queued or parked; whether it was live."""
+        """Stop core request ``request_id``, queued, parked or compiling; whether it was live."""
+        for compiling in self._compiling:
+            waiting = next((r for _, r in compiling.core_requests if r.request_id == request_id), None)
+            if waiting is not None:
+                compiling.core_requests = [(c, r) for c, r in compiling.core_requests if r is not waiting]
+                waiting.status = RequestStatus.FINISHED_ABORTED  # never queued: it holds no blocks
+                self._constrained.discard(request_id)
+                self._record_abort(waiting)
+                return True
         for group in self._forking:
             parked = next((r for r in group.parked if r.request_id == request_id), None)
             if parked is not None:
@@ -402,7 +478,11 @@ class LLMEngine:
         return False
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_requests() or any(group.parked for group in self._forking)
+        return (
+            self.scheduler.has_requests()
+            or any(group.parked for group in self._forking)
+            or any(group.core_requests for group in self._compiling)
+        )
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -459,7 +539,11 @@ class LLMEngine:
     def get_stats(self) -> dict:
         """Gauges and counters for ``/metrics`` (vLLM's meanings)."""
         s = self.scheduler.get_stats()
-        num_deferred = sum(len(group.parked) for group in self._forking)
+        # Deferred, as vLLM counts them: held back for a reason other than room in the batch (an
+        # n > 1 request's completions until completion 0's prompt is cached, grammars compiling).
+        num_deferred = sum(len(group.parked) for group in self._forking) + sum(
+            len(group.core_requests) for group in self._compiling
+        )
         return {
             "num_requests_running": s["num_running"],
             "num_requests_waiting": s["num_waiting"] + num_deferred,
@@ -549,6 +633,7 @@ class LLMEngine:
             self.tracer.close()
         if self.kv_connector is not None:
             self.executor.call_rank0("close_kv_pool")
+        self.structured_output.shutdown()
         self.executor.shutdown()
 
 
@@ -578,6 +663,7 @@ class EngineRequest(Request):
             block_size=block_size,
         )
         self.sampling_params = params
+        self.structured_output: StructuredOutputRequest | None = None  # the engine's, when constrained
         # On the device that samples: ATen refuses a CPU generator for CUDA noise.
         self.generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
 
@@ -592,7 +678,18 @@ class EngineRequest(Request):
         # from them, so the seeded generator (5 KB of state) stays on rank 0, which samples.
         state = self.__dict__.copy()
         state["generator"] = None
+        state["structured_output"] = None  # the matcher, too, is rank 0's
         return state
+
+
+@dataclass
+class CompilingRequests:
+    """The core requests of one request (its ``n`` completions, with their ``parent``) while
+    ``grammar`` compiles; aborted ones leave ``core_requests``."""
+
+    grammar: Future
+    parent: ParentRequest | None
+    core_requests: list[tuple[EngineCoreRequest, EngineRequest]]
 
 
 class EnginePrefixCachingBlockManager(PrefixCachingBlockManager):

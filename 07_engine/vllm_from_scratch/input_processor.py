@@ -325,6 +325,12 @@ class InputProcessor:
                 f"cover the whole vocabulary, which min_tokens={params.min_tokens} bans until that many "
                 "tokens are out: no token could be sampled",
             )
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ParameterError("structured_outputs", "needs the model's tokenizer, which this checkpoint lacks")
+            from vllm_from_scratch.structured_output import check_structured_outputs  # xgrammar: only when used
+
+            check_structured_outputs(params.structured_outputs)
         if cfg.kv_transfer is not None and params.prompt_logprobs is not None:
             # Blocks loaded from the pool skip their prompt positions, as prefix-cache hits would.
             raise ParameterError("prompt_logprobs", "is not supported with a KV pool (kv_transfer_config)")

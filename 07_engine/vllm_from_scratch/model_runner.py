@@ -36,6 +36,7 @@ from vllm_from_scratch.sampler import (
 )
 from vllm_from_scratch.sampling_params import SamplingParams
 from vllm_from_scratch.spec_decoding import RejectionSampler
+from vllm_from_scratch.structured_output import GrammarOutput, apply_grammar_bitmask
 from vllm_from_scratch.vllm_env import bind_threads, thread_cores
 
 # Longest dummy prompt of the warm-up; a step at the token budget is several of them.
@@ -412,8 +413,12 @@ class ModelRunner:
         return self._logits(self._forward(batch)[batch.logits_indices])
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         """Run one scheduled step: the batch, one forward, the sampling rows' logits, the sampler.
+        ``grammar_output``: the masks of the constrained requests, applied to their rows first
+        (``structured_output.py``).
 
         Every rank runs the forward and the prompt rows' logits (collectives); rank 0 alone
         samples and returns what the step gave (:class:`ModelRunnerOutput`), the others an empty
@@ -428,6 +433,8 @@ class ModelRunner:
             self.kv_worker.save(scheduler_output.kv_connector_metadata.saves)
         if logits is None or logits.shape[0] == 0:
             return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
+        if grammar_output is not None:
+            apply_grammar_bitmask(logits, grammar_output, info.ids, info.num_sample_rows)
         metadata = self._sampling_metadata(scheduler_output, info, logits)
         with self.random_stream.active():
             if self.rejection_sampler is None:

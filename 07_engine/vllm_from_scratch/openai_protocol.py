@@ -24,7 +24,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.types import FailFast
 from typing_extensions import TypeAliasType, TypeIs
 
-from vllm_from_scratch.sampling_params import SamplingParams
+from vllm_from_scratch.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm_from_scratch.tool_calling import (
+    TOOL_PARSERS,
+    ChatCompletionTool,
+    NamedToolChoice,
+    ToolCallExtractor,
+    ToolChoice,
+    template_messages,
+    tool_constraint,
+)
 
 
 class APIError(Exception):
@@ -82,6 +91,37 @@ class StreamOptions(BaseModel):
 
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, usage in every chunk
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` is how a schema is always
+    read here: no property it does not list)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (a JSON value valid under ``json_schema.schema``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None or self.json_schema.json_schema is None:
+            raise APIError("response_format json_schema needs json_schema.schema", param="response_format")
+        return StructuredOutputsParams(json=self.json_schema.json_schema)
 
 
 # ---- every request field OpenAI's API or vLLM's server defines, written once ------------------
@@ -193,7 +233,8 @@ CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
 # to SamplingParams (:meth:`_SamplingFields.sampling_kwargs`); the rest are refused unless
 # neutral. (``n`` is not one: it means the same to the engine, which validates it, and the
 # server reads the count back from the SamplingParams.)
-RESPONSE_FIELDS = frozenset({"best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo"})
+# ``structured_outputs`` is one too: the body's dict becomes a StructuredOutputsParams.
+RESPONSE_FIELDS = frozenset({"best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "structured_outputs"})
 # Known fields whose refusal says more than "not supported": what to ask for instead.
 REFUSAL_REASONS = {
     "best_of": (
@@ -254,6 +295,10 @@ class _SamplingFields(BaseModel):
     # vLLM's: each prompt token's logprob and this many more (the response's prompt_logprobs).
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool | None = False  # vLLM's: logprobs name tokens "token_id:N"
+    # A constraint on the output: OpenAI's response_format, or vLLM's structured_outputs (the
+    # fields of StructuredOutputsParams: json, regex, choice, grammar, json_object, ...).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
     if TYPE_CHECKING:
         # Each endpoint declares its own, with its own default and place in the field order (the
         # order validation errors are listed in).
@@ -329,7 +374,26 @@ class _SamplingFields(BaseModel):
     @property
     def field_names(self) -> dict[str, str]:
         """The body field each engine argument came from, where the names differ."""
-        return {}
+        return self._constraint_field_names()
+
+    def _constraint_field_names(self) -> dict[str, str]:
+        """A constraint from ``response_format`` is blamed on it, whatever the engine calls it."""
+        if self.structured_outputs is not None or self.response_format is None:
+            return {}
+        return {f"structured_outputs.{kind}": "response_format" for kind in ("json", "json_object")}
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """``SamplingParams.structured_outputs`` from ``structured_outputs`` or ``response_format``
+        (one of them: both is a 400)."""
+        if self.structured_outputs is not None:
+            if self.response_format is not None and self.response_format.type != "text":
+                raise APIError("cannot be given with response_format", param="structured_outputs")
+            known = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+            unknown = sorted(set(self.structured_outputs) - known)
+            if unknown:
+                raise APIError(f"structured_outputs has unknown keys {unknown}", param="structured_outputs")
+            return StructuredOutputsParams(**self.structured_outputs)
+        return None if self.response_format is None else self.response_format.structured_outputs()
 
     def sampling_kwargs(self, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Keyword arguments for ``SamplingParams``: every field the body set to something other
@@ -346,6 +410,9 @@ class _SamplingFields(BaseModel):
                 kwargs[name] = count
         if isinstance(kwargs.get("stop"), str):
             kwargs["stop"] = [kwargs["stop"]]
+        constraint = self.structured_outputs_params()
+        if constraint is not None:
+            kwargs["structured_outputs"] = constraint
         max_tokens, cap = self.requested_max_tokens, (defaults or {}).get("max_tokens")
         kwargs["max_tokens"] = cap if max_tokens is None else min(max_tokens, cap) if cap is not None else max_tokens
         return kwargs
@@ -389,7 +456,8 @@ class CompletionRequest(_SamplingFields):
     @property
     def field_names(self) -> dict[str, str]:
         # An engine refusal of the prompt logprobs echo asked for blames echo.
-        return {"prompt_logprobs": "echo"} if self.prompt_logprobs is None and self.echo else {}
+        names = self._constraint_field_names()
+        return {**names, "prompt_logprobs": "echo"} if self.prompt_logprobs is None and self.echo else names
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of single prompts (OpenAI allows four shapes)."""
@@ -448,6 +516,54 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling (tool_calling.py): tool_choice null is "auto" with tools, else "none".
+    tools: FirstErrorList[ChatCompletionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def check_tools(self, tool_parser: str | None) -> None:
+        """vLLM's rules, each a 400 naming the field: a tool_choice other than "none" needs
+        tools, a named function must be one of them, "auto" needs the server's tool parser
+        (``--enable-auto-tool-choice --tool-call-parser``), and a call forced by a grammar
+        leaves no room for another constraint."""
+        choice = self.effective_tool_choice
+        if choice != "none" and not self.tools:
+            raise APIError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+        names = {t.function.name for t in self.tools or ()}
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            name = choice.function.name
+            raise APIError(
+                f"The tool {name!r} in `tool_choice` is not one of `tools` ({sorted(names)})", param="tool_choice"
+            )
+        if choice == "auto" and tool_parser is None:
+            # tools alone ask for "auto" by default: the field the client sent is the one named
+            field = "tool_choice" if self.tool_choice is not None else "tools"
+            raise APIError(
+                f'{field}: "auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                param=field,
+            )
+        if (choice == "required" or isinstance(choice, NamedToolChoice)) and (
+            self.structured_outputs is not None
+            or (self.response_format is not None and self.response_format.type != "text")
+        ):
+            raise APIError(
+                "a required or named tool_choice cannot be combined with another constraint", param="tool_choice"
+            )
+
+    def tool_extractor(self, tool_parser: str | None) -> ToolCallExtractor:
+        parser = TOOL_PARSERS[tool_parser]() if tool_parser is not None and self.tools else None
+        return ToolCallExtractor(self.effective_tool_choice, parser, self.parallel_tool_calls)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """A required or named ``tool_choice``'s schema, else the shared rules'."""
+        forced = tool_constraint(self.tools or [], self.effective_tool_choice, self.parallel_tool_calls)
+        return forced if forced is not None else super().structured_outputs_params()
 
     def check_logprobs(self, max_logprobs: int) -> None:
         """The shared rules, after vLLM's two for ``top_logprobs``: not negative, and not above
@@ -474,7 +590,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     @property
     def field_names(self) -> dict[str, str]:
-        names = {"prompt": "messages"}
+        names = {**self._constraint_field_names(), "prompt": "messages"}
         if self.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         return names
@@ -487,10 +603,11 @@ class ChatCompletionRequest(_SamplingFields):
             and ("add_generation_prompt" in self.model_fields_set or not self.continue_final_message),
             "continue_final_message": bool(self.continue_final_message),
             "chat_template_kwargs": self.chat_template_kwargs,
+            "tools": [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
         }
 
     def conversation(self) -> list[dict[str, Any]]:
-        return message_dicts(self.messages)
+        return template_messages(message_dicts(self.messages))
 
 
 class TokenizeCompletionRequest(BaseModel):

@@ -65,6 +65,51 @@ def _clamp_bias(value: object) -> Any:
     return value
 
 
+@dataclass
+class StructuredOutputsParams:
+    """A constraint every completion of a request must satisfy (vLLM's ``StructuredOutputsParams``),
+    exactly one of:
+
+    Args:
+        json: a JSON schema (a dict, or its text): the output is one JSON value valid under it.
+        regex: the output matches this regular expression in full.
+        choice: the output is one of these strings.
+        grammar: the output is a sentence of this EBNF grammar (GBNF: ``root ::= ...``).
+        json_object: True: the output is any JSON object.
+        disable_any_whitespace: JSON without whitespace between its tokens (a small model may
+            otherwise fill its budget with newlines).
+
+    A schema is read strictly: an object takes no property the schema does not list, unless it
+    says ``additionalProperties`` itself (what vLLM's ``disable_additional_properties`` asks of
+    other backends).
+
+    The engine enforces it on the logits (``structured_output.py``); a constraint that cannot be
+    compiled is refused with :class:`ParameterError` naming the field.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ParameterError(
+                "structured_outputs", f"must set exactly one of {list(STRUCTURED_OUTPUT_KINDS)}, got {given or 'none'}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of :data:`STRUCTURED_OUTPUT_KINDS`."""
+        return next(name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) is not None)
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 class RequestOutputKind(enum.Enum):
     """What each ``RequestOutput`` of a request carries (vLLM's enum and default)."""
 
@@ -125,6 +170,8 @@ class SamplingParams:
             With ``n`` > 1 only completion 0 scores the prompt (once for the request).
         output_kind: what each ``RequestOutput`` carries (:class:`RequestOutputKind`);
             ``LLM.generate`` sets ``FINAL_ONLY`` and the server ``DELTA``, as in vLLM.
+        structured_outputs: a JSON schema, regex, choice or grammar every completion follows
+            (:class:`StructuredOutputsParams`); None: unconstrained.
 
     Every rule lives in :meth:`validate`, which raises :class:`ParameterError` naming the field.
     """
@@ -152,6 +199,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # ``bad_words`` as token sequences: set by the engine's input processor, which has the tokenizer.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
@@ -239,6 +287,10 @@ class SamplingParams:
             check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ParameterError("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}")
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise ParameterError(
+                "structured_outputs", f"must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}"
+            )
 
     def clone(self, **changes: Any) -> SamplingParams:
         """A copy with ``changes`` set (vLLM's ``clone``), for the engine's settled and derived

@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         root_path=server.root_path or "",
         log_requests=server.enable_log_requests,
         log_stats=not engine.config.disable_log_stats,
+        tool_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
     )
     auth = "API key required" if api_keys else "no API key"
     log.info("serving %s as %s on http://%s:%d/v1 (%s)", model_dir, ", ".join(names), server.host, server.port, auth)

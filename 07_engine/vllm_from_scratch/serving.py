@@ -47,6 +47,7 @@ from vllm_from_scratch.openai_protocol import (
 )
 from vllm_from_scratch.sampling_params import RequestOutputKind, SamplingParams
 from vllm_from_scratch.streaming import SSE_DONE, collect_or_abort, sse, stream_events
+from vllm_from_scratch.tool_calling import ToolCallExtractor
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +203,8 @@ class OpenAIServing:
     ``input_processor`` is the engine's (``InputProcessor.with_tokenizer``: the same checks with
     the server's own tokenizer instance, used from worker threads while the engine thread
     detokenizes with its own). ``default_sampling_params`` are the model's own sampling defaults
-    (:func:`generation_config_defaults`), for requests that leave a field unset. ``limits``
+    (:func:`generation_config_defaults`), for requests that leave a field unset. ``tool_parser``
+    (``tool_calling.TOOL_PARSERS``; None: no "auto" tool choice) finds tool calls. ``limits``
     bound what one request may ask for (:class:`config.ServingLimits`). Bodies are prepared, and
     whole responses rendered, in :data:`PREPARE_WORKERS` threads at the lowest CPU priority
     (:func:`lowest_cpu_priority`): the requests already running come first, and the event loop
@@ -218,9 +220,11 @@ class OpenAIServing:
         scheduling_policy: str = "fcfs",
         limits: ServingLimits | None = None,
         log_requests: bool = False,
+        tool_parser: str | None = None,
     ) -> None:
         self.llm = llm
         self.log_requests = log_requests
+        self.tool_parser = tool_parser  # --tool-call-parser, with --enable-auto-tool-choice: "auto" tool calls
         self.scheduling_policy = scheduling_policy
         self.limits = limits or ServingLimits()
         self.default_sampling_params = dict(default_sampling_params or {})
@@ -423,6 +427,10 @@ class OpenAIServing:
                 param="priority",
             )
         chat = isinstance(body, ChatCompletionRequest)
+        extractor = None
+        if isinstance(body, ChatCompletionRequest):
+            body.check_tools(self.tool_parser)
+            extractor = body.tool_extractor(self.tool_parser)
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{body.request_id}" if body.request_id else random_id(prefix)
         loop = asyncio.get_running_loop()
@@ -440,11 +448,13 @@ class OpenAIServing:
         kind = ("chat.completion.chunk" if body.stream else "chat.completion") if chat else "text_completion"
         header = {"id": request_id, "object": kind, "created": now(), "model": self.served_model_name}
         if body.stream:
-            events = self._events(streams, choices, header, body, renderer)
+            events = self._events(streams, choices, header, body, renderer, extractor)
             return StreamingResponse(events, media_type="text/event-stream")
         await collect_or_abort(raw, streams, choices.update)
         scored = params.prompt_logprobs is not None
-        content = await loop.run_in_executor(self.executor, render_response, header, choices, renderer, chat, scored)
+        content = await loop.run_in_executor(
+            self.executor, render_response, header, choices, renderer, chat, scored, extractor
+        )
         return Response(content, media_type="application/json")
 
     async def _events(
@@ -454,16 +464,22 @@ class OpenAIServing:
         header: dict[str, Any],
         body: OpenAIRequest,
         renderer: LogprobsRenderer | None,
+        extractor: ToolCallExtractor | None = None,
     ) -> AsyncIterator[str]:
         """The SSE stream: a chunk per output that brings text or a finish, each holding the one
         choice it is about (so every choice gets exactly one chunk with its finish_reason), as
-        vLLM streams them."""
+        vLLM streams them. A choice whose text is read for tool calls (``extractor``) sends its
+        message in the chunk that finishes it, the calls as ``tool_calls`` deltas."""
         chat = isinstance(body, ChatCompletionRequest)
+        holds_text = extractor is not None and extractor.extracts
 
-        def event(i: int, content: dict[str, Any], logprobs: dict[str, Any] | None = None) -> str:
+        def event(
+            i: int, content: dict[str, Any], logprobs: dict[str, Any] | None = None, finish_reason: str | None = None
+        ) -> str:
             """A chunk about choice ``i``; a finished choice's reports its finish (and stop) reason."""
             c = choices.items[i]
-            chunk = {**header, "choices": [choice(i, c.finish_reason, content, c.stop_reason, logprobs)]}
+            reason = finish_reason or c.finish_reason
+            chunk = {**header, "choices": [choice(i, reason, content, c.stop_reason, logprobs)]}
             if body.continuous_usage:  # vLLM's: the choice's prompt and its tokens so far
                 chunk["usage"] = usage(len(c.prompt.token_ids), c.completion_tokens, c.prompt.cached_tokens)
             return sse(chunk)
@@ -472,11 +488,17 @@ class OpenAIServing:
             events = []
             for i, completion in choices.update(prompt_index, out):
                 c = choices.items[i]
-                if not completion.finished() and not (completion.text and c.ready):
+                if not completion.finished() and not (completion.text and c.ready and not holds_text):
                     continue
                 text, ids, entries, offset = c.take()
+                logprobs = render_logprobs(renderer, chat, ids, entries, offset)
+                if holds_text:
+                    assert extractor is not None
+                    message, reason = extractor.message(c.text, c.finish_reason)
+                    events.append(event(i, {"delta": tool_call_delta(message)}, logprobs, reason))
+                    continue
                 content = {"delta": {"content": text} if text else {}} if chat else {"text": text}
-                events.append(event(i, content, render_logprobs(renderer, chat, ids, entries, offset)))
+                events.append(event(i, content, logprobs))
             return "".join(events) or None
 
         if chat:  # OpenAI's first chunk of each chat choice announces the role; content follows.
@@ -494,8 +516,21 @@ def dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
+def tool_call_delta(message: dict[str, Any]) -> dict[str, Any]:
+    """A finished message as one stream delta: its content, and its calls with their ``index``."""
+    delta: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+    return delta
+
+
 def render_response(
-    header: dict[str, Any], choices: Choices, renderer: LogprobsRenderer | None, chat: bool, scored: bool
+    header: dict[str, Any],
+    choices: Choices,
+    renderer: LogprobsRenderer | None,
+    chat: bool,
+    scored: bool,
+    extractor: ToolCallExtractor | None = None,
 ) -> bytes:
     """A whole (non-streamed) response's JSON, rendered choice by choice in a worker thread.
 
@@ -504,7 +539,8 @@ def render_response(
     megabytes of logprobs). Rendered piece by piece, the longest hold is one choice; and a
     prompt's ``prompt_logprobs``, which vLLM repeats on each of its completions' choices, are
     rendered once and the same text is put in each. The layout is vLLM's: ``prompt_logprobs``
-    on each choice for completions, beside the choices for chat.
+    on each choice for completions, beside the choices for chat. ``extractor`` reads a chat
+    choice's text for tool calls.
     """
     rendered_prompts: dict[int, str] = {}
 
@@ -517,8 +553,15 @@ def render_response(
     pieces = []
     for i, c in enumerate(choices.items):
         text, ids, entries, _ = c.take()
-        content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-        piece = dumps(choice(i, c.finish_reason, content, c.stop_reason, render_logprobs(renderer, chat, ids, entries)))
+        reason = c.finish_reason
+        if not chat:
+            content: dict[str, Any] = {"text": text}
+        elif extractor is None:
+            content = {"message": {"role": "assistant", "content": text}}
+        else:
+            message, reason = extractor.message(text, reason)
+            content = {"message": message}
+        piece = dumps(choice(i, reason, content, c.stop_reason, render_logprobs(renderer, chat, ids, entries)))
         if scored and not chat:
             piece = f'{piece[:-1]},"prompt_logprobs":{prompt_logprobs(c)}}}'
         pieces.append(piece)
