@@ -107,7 +107,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["--dump"]:
 
 # ------------------------------------------------------------------ why a flag is not here
 MULTI_NODE = "one process per tensor-parallel rank on one machine: no multi-node, data, expert or context parallelism"
-TOOLS = "tool calling is built in (--tool-call-parser hermes or llama3_json): no parser plug-ins, tool servers or strictness levels"
+TOOLS = "tool calling is built in (--tool-call-parser hermes or llama3_json): no parser plug-ins, tool servers"
 CUDA_ONLY = "tunes vLLM's own GPU kernels or allocator; the engine has none of them"
 QUANT = "weights load in bfloat16, float16 or float32: no quantized checkpoints"
 ONE_MODEL = "one text model from a local directory, run by the book's own model classes"
