@@ -60,7 +60,8 @@ def instance(spec: dict) -> dict:
     ids = [f"r{i}" for i in range(len(spec["prompts"]))]
     ttfts = [timeline.ttft(r) for r in ids]
     stats = engine.get_stats()
-    delta = {k: v - stats_before.get(k, 0) for k, v in stats.items()}
+    # Counters only: get_stats() also holds per-position lists (speculative decoding's acceptances).
+    delta = {k: v - stats_before.get(k, 0) for k, v in stats.items() if isinstance(v, (int, float))}
     loaded_tokens = delta.get("kv_pool_loaded_blocks", 0) * engine.config.kvcache_block_size
     report = {
         "ttft_mean_s": statistics.mean(ttfts),

@@ -49,7 +49,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm-python", help="vLLM's interpreter: also run the workload on vLLM's CPU build")
     parser.add_argument("--as-vllm", action="store_true", help="(internal) run the workload on vLLM, print JSON")
     parser.add_argument("--json", help="write the results to this file")
-    return parser.parse_args(argv)
+    if "--as-vllm" in (sys.argv[1:] if argv is None else argv):
+        return parser.parse_args(argv)  # in vLLM's virtualenv, without the book's modules; the parent checked
+    from machine import add_quiet_arg, check_quiet
+
+    add_quiet_arg(parser)
+    args = parser.parse_args(argv)
+    check_quiet(args.refuse_busy)
+    return args
 
 
 def timed_runs(generate: Callable[[bool], None], rounds: int, max_tokens: int) -> list[dict[str, float]]:

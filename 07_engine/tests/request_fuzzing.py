@@ -90,6 +90,10 @@ SAMPLING = {
         st.dictionaries(st.integers(-3, VOCAB + 3).map(str) | TEXT, NUMBER, max_size=6)
         | st.just({str(t): -100 for t in range(0, VOCAB, 7)}),
     ),
+    "bad_words": field(st.lists(WORDS.filter(bool), max_size=4), st.lists(TEXT, max_size=6) | JSON_ANY),
+    "allowed_token_ids": field(
+        st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), TOKEN_IDS | st.just(list(range(VOCAB)))
+    ),
     "prompt_logprobs": field(st.integers(0, 20), SMALL_INT),
     "include_stop_str_in_output": field(st.booleans(), JSON_ANY),
     "skip_special_tokens": field(st.booleans(), JSON_ANY),
@@ -152,7 +156,7 @@ CORE = {
 SAMPLER_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "seed", "stop_token_ids", "min_tokens", "ignore_eos", "logit_bias", "logprobs", "prompt_logprobs", "echo",
-    "top_logprobs",
+    "top_logprobs", "bad_words", "allowed_token_ids",
 )  # fmt: skip
 
 

@@ -129,20 +129,33 @@ class LLMEngine:
         (a caller that goes on then calls :meth:`recover_from_failed_step`)."""
         self._begin_step()  # the ends since the last step, parked children, remote K/V, drafts
         scheduler_output = self.scheduler.schedule()
+        self._record_scheduled(scheduler_output)
+        model_output = self._execute_model(scheduler_output)
+        engine_core_outputs = self._update_from_output(scheduler_output, model_output)
+        self._record_step_tokens(engine_core_outputs)
+        self._process_outputs(engine_core_outputs, model_output)
+        return self._end_step(scheduler_output, model_output)
+
+    def _record_scheduled(self, scheduler_output: SchedulerOutput) -> None:
+        """Tell the stat logger which requests this step runs (their first step times their queue)."""
         if self.stat_logger is not None:
             now = time.monotonic()
             for req in scheduler_output.scheduled_requests:
                 self.stat_logger.request_scheduled(req.request_id, req.num_preemptions, now)
-        model_output = self._execute_model(scheduler_output)
-        engine_core_outputs = self._update_from_output(scheduler_output, model_output)
+
+    def _record_step_tokens(self, engine_core_outputs: list[EngineCoreOutput]) -> None:
+        """Tell the stat logger each request's new and cached tokens of this step."""
         if self.stat_logger is not None:
             tokens = [(o.request_id, len(o.new_token_ids), o.num_cached_tokens) for o in engine_core_outputs]
             self.stat_logger.step_tokens(tokens, time.monotonic(), time.time())
+
+    def _process_outputs(self, engine_core_outputs: list[EngineCoreOutput], model_output: ModelRunnerOutput) -> None:
+        """Detokenize and check stop strings (the output processor); a stop string ends the
+        request in the scheduler too."""
         processed = self.output_processor.process_outputs(engine_core_outputs, model_output)
         self._step_output.extend(processed)
-        for request_id in processed.reqs_to_stop:  # a stop string ends the request in the scheduler too
+        for request_id in processed.reqs_to_stop:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
-        return self._end_step(scheduler_output, model_output)
 
     def _begin_step(self) -> None:
         self._step_start = time.perf_counter() if self.tracer is not None else 0.0

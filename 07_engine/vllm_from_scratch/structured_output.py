@@ -36,7 +36,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
+
+try:
+    import xgrammar as xgr
+except ImportError:  # a bare machine (the lent GPU's has neither xgrammar nor pydantic): constraints are refused
+    xgr = None  # type: ignore[assignment]
 
 from vllm_from_scratch.errors import ParameterError
 from vllm_from_scratch.sampling_params import StructuredOutputsParams
@@ -98,6 +102,8 @@ def check_structured_outputs(params: StructuredOutputsParams) -> None:
     (milliseconds, no vocabulary) but not compiled, which the engine does off its thread."""
     kind, text = grammar_source(params)
     field = f"structured_outputs.{params.kind}"
+    if xgr is None:
+        raise ParameterError(field, "needs the xgrammar package, which is not installed here (pip install xgrammar)")
     try:
         if kind == "json":
             xgr.Grammar.from_json_schema(text, any_whitespace=not params.disable_any_whitespace)
