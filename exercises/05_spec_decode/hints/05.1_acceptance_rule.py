@@ -11,20 +11,18 @@ def rejection_sample(draft_token_ids, draft_probs, target_probs, generator=None,
     if noise is None:
         noise = sample_rejection_noise(B, K, V, target_probs.device, generator)
     p, q = target_probs.float(), draft_probs.float()
+    positions = torch.arange(K)
+    ids = draft_token_ids.clamp(min=0).unsqueeze(-1)
+    p_x, q_x = p[:, :K].gather(2, ids).squeeze(-1), q.gather(2, ids).squeeze(-1)
+    accepted = (noise.uniform * q_x < p_x) & (positions < num_draft[:, None])
+    num_accepted = accepted.long().cumprod(1).sum(1)  # accept while the rule holds
     out = torch.full((B, K + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
-    for b in range(B):
-        j = 0
-        while j < int(num_draft[b]):
-            x = int(draft_token_ids[b, j])
-            if not noise.uniform[b, j] * q[b, j, x] < p[b, j, x]:
-                break
-            out[b, j] = x
-            j += 1
-        if j < int(num_draft[b]):
-            weights = torch.clamp(p[b, j] - q[b, j], min=0)
-            if weights.sum() <= 0:
-                weights = p[b, j]
-        else:
-            weights = p[b, j]
-        out[b, j] = int((weights / noise.exponential[b]).argmax())
+    out[:, :K] = torch.where(positions < num_accepted[:, None], draft_token_ids, out[:, :K])
+    rows = torch.arange(B)
+    p_j = p[rows, num_accepted]
+    q_j = q[rows, num_accepted.clamp(max=K - 1)] if K else torch.zeros_like(p_j)
+    residual = torch.clamp(p_j - q_j, min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_j)
+    weights = torch.where((num_accepted < num_draft)[:, None], residual, p_j)
+    out[rows, num_accepted] = (weights / noise.exponential).argmax(-1)
     return out
