@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_from_scratch.structured_output import GrammarOutput
+from vllm_from_scratch.structured_output import GrammarOutput, xgr
 
 
 def apply_grammar_bitmask(
