@@ -1,0 +1,177 @@
+"""The model's linear layers alone, through each matmul path the engine could take, against this machine's floors.
+
+A decode step of a few requests is mostly matrix-vector products: every weight read once for a
+row or two. How close each path comes to reading the weights at memory speed decides a single
+stream's speed; at 32 rows the same weights also cost real arithmetic. For every distinct weight
+shape of the model as the engine lays it out (fused QKV and gate-up projections, the LM head),
+this times one pass over as many weights of that shape as the model has (distinct tensors, so
+they stream from memory as in a step) through:
+
+* ``F.linear``: oneDNN packs the weight on every call;
+* ``packed``: the weight packed once (``layers/prepacked.py``, the eager engine's path);
+* ``graph small`` and ``graph large``: the linears compiled by inductor with the settings of the
+  engine's two graphs (``compilation.GRAPHS``: its own C++ GEMM template, and oneDNN under
+  inductor), weights frozen. The engine runs the first up to ``SMALL_BATCH_TOKENS`` tokens.
+
+Each cell is milliseconds per pass and, in brackets, the shape's floor over that time: the larger
+of reading its weights at the measured read rate and its FLOP at the measured matmul rate
+(``floors.py``, measured first in the same run). 100 % is the machine's limit; a shape whose
+weights stay in the L3 cache can pass it.
+
+    .venv/bin/python 07_engine/benchmarks/bench_linears.py                    # rows 1 and 32
+    .venv/bin/python 07_engine/benchmarks/bench_linears.py --rows 1 4 16 --json linears.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from floors import Floors, measure_floors
+from machine import add_quiet_arg, check_quiet, load_average, machine_line
+from vllm_from_scratch import default_model_dir
+from vllm_from_scratch.compilation import GRAPHS, SMALL_BATCH_TOKENS
+from vllm_from_scratch.config import EngineConfig
+from vllm_from_scratch.layers.prepacked import PrepackableWeight, linear, pack_weight
+from vllm_from_scratch.model_runner import ModelRunner
+
+REPEATS = 10
+METHODS = ("F.linear", "packed", "graph small", "graph large")
+
+
+class Linears(nn.Module):
+    """``x`` through every weight in turn, as a graph to compile: one output per weight."""
+
+    def __init__(self, weights: list[torch.Tensor]):
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(w, requires_grad=False) for w in weights])
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [F.linear(x, w) for w in self.weights]
+
+
+def engine_weight_shapes(model_dir: str, dtype: str) -> Counter[tuple[int, int]]:
+    """``{(out, in): count}`` of the weights the engine multiplies, as its layers hold them."""
+    runner = ModelRunner(EngineConfig(model_dir, device="cpu", dtype=dtype, enforce_eager=True, warm_up=False))
+    return Counter(tuple(m.weight.shape) for m in runner.model.modules() if isinstance(m, PrepackableWeight))
+
+
+def best_seconds(fn: Callable[[], object], repeats: int = REPEATS) -> float:
+    fn()
+    fn()  # a compiled graph's and oneDNN's first calls set up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def matmul_paths(weights: list[torch.Tensor], x: torch.Tensor) -> dict[str, Callable[[], list[torch.Tensor]]]:
+    """One pass of ``x`` over ``weights`` through each of :data:`METHODS`, as calls to time: the
+    same products every time (``test_bench_linears.py`` checks that they agree)."""
+    packed = [pack_weight(w, x.shape[0]) for w in weights]
+    paths = {
+        "F.linear": lambda: [F.linear(x, w) for w in weights],
+        "packed": lambda: [linear(x, w, packed=p) for w, p in zip(weights, packed)],
+    }
+    for method, graph in (("graph small", "small"), ("graph large", "large")):
+        compiled = torch.compile(Linears(weights).eval(), options=GRAPHS[graph])
+
+        def run(compiled: Callable = compiled) -> list[torch.Tensor]:
+            # Freezing (which the C++ template needs, or it finds no choice for the matmul) applies
+            # to graphs run without autograd, and through the config: given in torch.compile's
+            # ``options`` it did not take effect here.
+            with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+                return compiled(x)
+
+        paths[method] = run
+    return paths
+
+
+def time_methods(weights: list[torch.Tensor], rows: int) -> dict[str, float]:
+    """Seconds of one pass of ``rows`` rows over ``weights`` through each of :data:`METHODS`."""
+    torch._dynamo.reset()
+    x = torch.randn(rows, weights[0].shape[1], generator=torch.Generator().manual_seed(0)).to(weights[0].dtype)
+    return {method: best_seconds(fn) for method, fn in matmul_paths(weights, x).items()}
+
+
+def floor_seconds(floors: Floors, shape: tuple[int, int], count: int, rows: int, element_size: int) -> float:
+    """The larger of reading ``count`` weights of ``shape`` and multiplying ``rows`` rows by them."""
+    out_features, in_features = shape
+    read = count * out_features * in_features * element_size / floors.read_bytes_per_s
+    matmul = count * 2.0 * rows * out_features * in_features / floors.gemm_flop_per_s
+    return max(read, matmul)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2)")
+    parser.add_argument("--dtype", default="bfloat16", help="the weights' dtype (default: bfloat16)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32], help="rows per matmul (default: 1 32)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON")
+    add_quiet_arg(parser)
+    args = parser.parse_args()
+    if args.threads < 1 or min(args.rows) < 1:
+        parser.error("--threads and --rows must be >= 1")
+    torch.set_num_threads(args.threads)
+    model_dir = str(args.model or default_model_dir())
+    shapes = engine_weight_shapes(model_dir, args.dtype)
+    dtype = getattr(torch, args.dtype)
+    check_quiet(args.refuse_busy)
+    floors = measure_floors(model_dir, dtype)
+    print(machine_line())
+    print(floors.describe())
+    results = []
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for shape, count in tqdm(sorted(shapes.items()), desc="shapes"):
+            weights = [(torch.randn(shape, generator=generator) * 0.02).to(dtype) for _ in range(count)]
+            for rows in args.rows:
+                seconds = time_methods(weights, rows)
+                floor = floor_seconds(floors, shape, count, rows, weights[0].element_size())
+                results.append(
+                    {"shape": list(shape), "count": count, "rows": rows, "floor_s": floor, "seconds": seconds}
+                )
+    print(f"ms per pass over the weights of a shape [its floor over that time]; load {load_average()}")
+    header = f"{'rows':>4}  {'weight shape':<13} {'count':>5}  {'MB':>6}" + "".join(f"  {m:>17}" for m in METHODS)
+    print(header + "\n" + "-" * len(header))
+    for rows in args.rows:
+        graph = "small" if rows <= SMALL_BATCH_TOKENS else "large"
+        print(f"{rows} rows: the compiled engine runs its {graph} graph")
+        mine = [r for r in results if r["rows"] == rows]
+        totals = {m: sum(r["seconds"][m] for r in mine) for m in METHODS}
+        for r in [
+            *mine,
+            {
+                "shape": None,
+                "count": sum(r["count"] for r in mine),
+                "rows": rows,
+                "floor_s": sum(r["floor_s"] for r in mine),
+                "seconds": totals,
+            },
+        ]:
+            (o, i) = r["shape"] or (0, 0)
+            name = f"{o} x {i}" if r["shape"] else "all"
+            mb = sum(s[0] * s[1] * c for s, c in shapes.items()) if not r["shape"] else o * i * r["count"]
+            cells = "".join(f"  {r['seconds'][m] * 1e3:8.2f} [{r['floor_s'] / r['seconds'][m]:4.0%}]" for m in METHODS)
+            print(f"{rows:>4}  {name:<13} {r['count']:>5}  {mb * dtype.itemsize / 1e6:>6.1f}{cells}")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"machine": machine_line(), "floors": floors.as_json(), "results": results}, indent=2)
+        )
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""bench_linears.py: every matmul path it times computes the same products, over the weights the
+engine really multiplies, and each cell's floor is the slower of reading and multiplying."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+from bench_linears import METHODS, engine_weight_shapes, floor_seconds, matmul_paths
+from floors import Floors, ModelFootprint
+
+
+def test_the_shapes_are_the_engines_fused_weights(tiny_llama_dir):
+    shapes = engine_weight_shapes(str(tiny_llama_dir), "float32")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    config = model.config
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    head_dim = hidden // config.num_attention_heads
+    qkv_rows = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+    # Q, K and V in one weight; gate and up in one; the LM head once.
+    assert shapes[(qkv_rows, hidden)] == layers
+    assert shapes[(2 * config.intermediate_size, hidden)] == layers
+    assert shapes[(config.vocab_size, hidden)] == 1
+    linears = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings().weight
+    assert sum(o * i * n for (o, i), n in shapes.items()) == sum(w.numel() for w in linears) + head.numel()
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_every_path_computes_the_same_products(rows):
+    generator = torch.Generator().manual_seed(rows)
+    weights = [torch.randn(48, 32, generator=generator).bfloat16() for _ in range(2)]
+    x = torch.randn(rows, 32, generator=generator).bfloat16()
+    expected = [F.linear(x.float(), w.float()) for w in weights]
+    paths = matmul_paths(weights, x)
+    assert list(paths) == list(METHODS)
+    for method, run in paths.items():
+        outputs = run()
+        assert len(outputs) == len(weights), method
+        for out, ref in zip(outputs, expected):
+            # bf16 products, float32 sums in each path's own order, one bf16 rounding of the result.
+            torch.testing.assert_close(out.float(), ref, rtol=1.6e-2, atol=1e-2, msg=method)
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(
+    read=st.floats(1e6, 1e12),
+    gemm=st.floats(1e6, 1e15),
+    out_features=st.integers(1, 65536),
+    in_features=st.integers(1, 8192),
+    count=st.integers(1, 128),
+    rows=st.integers(1, 4096),
+)
+def test_a_cells_floor_is_the_slower_of_reading_and_multiplying(read, gemm, out_features, in_features, count, rows):
+    footprint = ModelFootprint(0, 0, 0, {}, 2)
+    floors = Floors(read_bytes_per_s=read, gemm_flop_per_s=gemm, footprint=footprint)
+    floor = floor_seconds(floors, (out_features, in_features), count, rows, 2)
+    reading = count * out_features * in_features * 2 / read
+    multiplying = count * 2 * rows * out_features * in_features / gemm
+    assert floor == pytest.approx(max(reading, multiplying))
+    assert floor_seconds(floors, (out_features, in_features), count, rows + 1, 2) >= floor
