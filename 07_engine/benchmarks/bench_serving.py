@@ -18,6 +18,13 @@ with every usable core bound. The table gives output tok/s, TTFT p50 and p99, TP
 p99, with the machine and the load average around each measured run (``--quiet-below`` waits for
 a quiet machine first, as bench.py does), and each server's output tok/s as a fraction of the
 workload's floor, measured first in the same run (``floors.py``).
+
+``--max-num-batched-tokens N ...`` runs our server once per token budget, the prompt tokens a
+step may carry beside the decodes: a larger one prefills a burst of prompts in fewer steps (the
+last prompt's first token comes sooner) and holds every decoder longer in each of them. With
+``--ours-only`` (no vLLM) that is the sweep that chooses the server's default::
+
+    .venv/bin/python 07_engine/benchmarks/bench_serving.py --ours-only --max-num-batched-tokens 64 128 256 512
 """
 
 from __future__ import annotations
@@ -165,10 +172,15 @@ def print_table(results: dict[str, dict], floor: float | None = None) -> None:
         print("* the machine never got quiet before the wait ran out; measured anyway")
 
 
+def our_label(budget: int | None) -> str:
+    """Our server's row: at its default token budget, or at ``--max-num-batched-tokens budget``."""
+    return "our server" if budget is None else f"our server, budget {budget}"
+
+
 def verdict(results: dict[str, dict]) -> dict:
-    """Our server against the best ``vllm serve`` run: throughput ratio and p99 TTFT."""
-    ours = results["our server"]
-    peers = {k: v for k, v in results.items() if k != "our server"}
+    """Our first server run against the best ``vllm serve`` run: throughput ratio and p99 TTFT."""
+    ours = next(v for k, v in results.items() if k.startswith("our server"))
+    peers = {k: v for k, v in results.items() if not k.startswith("our server")}
     if not peers:
         return {}
     best_name = max(peers, key=lambda k: peers[k]["output_throughput"])
@@ -196,7 +208,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-concurrency", type=int, default=16)
     parser.add_argument("--warmup-prompts", type=int, default=16, help="warm-up prompts (seed + 1)")
     parser.add_argument("--seed", type=int, default=0, help="the measured run's seed")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        nargs="+",
+        default=[None],
+        metavar="N",
+        help="run our server once per token budget (prompt tokens a step may carry beside the decodes: "
+        "how long a prefill chunk delays the decoders); default: once, at the server's default",
+    )
     add_peer_args(parser, "vLLM server thread layouts to run")
+    parser.add_argument("--ours-only", action="store_true", help="run our server(s) only: no vllm serve, no ratio")
     parser.add_argument(
         "--startup-timeout-s",
         type=float,
@@ -229,12 +251,15 @@ def main(argv: list[str] | None = None) -> dict:
     total_in, total_out = args.num_prompts * args.input_len, args.num_prompts * args.output_len
     floor_tps = floors.tokens_per_s(total_in, total_out, args.num_prompts, args.output_len)
     ours = ["vllm_from_scratch.serve", model_dir, "--dtype", args.dtype, "--device", "cpu", "--log-level", "warning"]
+    ours += ["--enforce-eager"] * args.enforce_eager
     servers = {
-        "our server": ServerProcess(
-            ours + ["--enforce-eager"] * args.enforce_eager, startup_timeout_s=args.startup_timeout_s
+        our_label(budget): ServerProcess(
+            ours + ["--max-num-batched-tokens", str(budget)] * (budget is not None),
+            startup_timeout_s=args.startup_timeout_s,
         )
+        for budget in args.max_num_batched_tokens
     }
-    for label in args.vllm_bindings:
+    for label in [] if args.ours_only else args.vllm_bindings:
         servers[f"vllm serve ({label})"] = vllm_server(
             python, model_dir, args.dtype, label, args.vllm_kv_cache_gib, args.startup_timeout_s
         )

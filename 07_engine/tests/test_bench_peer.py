@@ -189,6 +189,27 @@ def test_bench_serving_compares_our_server_with_the_best_vllm_serve(capsys):
     assert flags[flags.index("--seed") + 1] == "7" and "--ignore-eos" in flags and "--save-result" not in flags
 
 
+def test_bench_serving_sweeps_our_token_budget_and_judges_the_first():
+    import bench_serving
+
+    args = bench_serving.parse_args(["--ours-only", "--max-num-batched-tokens", "128", "512"])
+    assert args.ours_only and args.max_num_batched_tokens == [128, 512]
+    assert bench_serving.parse_args([]).max_num_batched_tokens == [None]
+    labels = [bench_serving.our_label(b) for b in (None, 128, 512)]
+    assert labels == ["our server", "our server, budget 128", "our server, budget 512"]
+    load = {"load_before": "0.1 0.1 0.1", "load_after": "0.2 0.2 0.2", "quiet": None}
+    run = {"output_throughput": 200.0, "p99_ttft_ms": 3000.0, "load": load}
+    results = {
+        labels[1]: run,
+        labels[2]: {**run, "output_throughput": 400.0, "p99_ttft_ms": 1000.0},
+        "vllm serve (all-cores-bound)": {**run, "output_throughput": 100.0, "p99_ttft_ms": 2000.0},
+    }
+    check = bench_serving.verdict(results)
+    assert check["throughput_ratio"] == 2.0 and check["p99_ttft_ms"] == [3000.0, 2000.0]
+    assert not check["p99_ttft_no_worse"]
+    assert bench_serving.verdict({labels[1]: run, labels[2]: run}) == {}
+
+
 # ---- bench.py --gpu beside nano-vllm: the runner's wiring, with a stand-in for nano-vllm's source
 
 # nano-vllm's public surface as its bench.py uses it; the model directory records what LLM got.
