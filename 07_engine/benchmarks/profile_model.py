@@ -246,7 +246,12 @@ def time_engine_phases(args: argparse.Namespace) -> None:
         setattr(owners[owner], attr, timed)
     print(machine())
     print(f"engine steps; {engine.config.torch_dtype}, {torch.get_num_threads()} threads")
-    params = SamplingParams(temperature=0.0, max_tokens=args.iters + 8, ignore_eos=True)
+    # Room to decode to the context limit: a request that finished while later ones still filled
+    # their prompts (chunk by chunk under a small token budget) would leave the timed steps short.
+    max_tokens = engine.config.max_model_len - args.context_len
+    if max_tokens <= args.iters:
+        raise ValueError(f"--context-len {args.context_len} leaves no room for {args.iters} decode steps")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = iter(range(10**9))
 
     def prompt(n: int) -> list[int]:
@@ -269,7 +274,9 @@ def time_engine_phases(args: argparse.Namespace) -> None:
             spent.clear()
             start = time.perf_counter()
             for _ in range(args.iters):
-                engine.step()
+                decoded = len(engine.step())
+                if decoded != b:
+                    raise RuntimeError(f"a decode step of B={b} gave {decoded} requests' tokens")
             report(f"decode B={b}", args.iters, time.perf_counter() - start)
             for rid in list(engine.scheduler.requests):
                 engine.abort_request(rid)
