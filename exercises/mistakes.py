@@ -20,6 +20,7 @@ import argparse
 import ast
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,8 @@ import grade
 import make_stubs
 
 MISTAKES_DIR = "mistakes"
+# Grading rounds run side by side (see check()).
+ROUNDS_AT_ONCE = 2
 
 
 @dataclass(frozen=True)
@@ -133,10 +136,16 @@ def check(
     """Grade every catalogued answer of ``chapters`` (in ``folder``): a mistake must lose marks."""
     mistakes = [m for m in load_mistakes(folder=folder) if not chapters or m.exercise.chapter in chapters]
     key = answer_key(sorted({m.exercise.chapter for m in mistakes}))
-    results = []
-    for r, batch in enumerate(rounds(mistakes)):
+
+    def graded(r: int, batch: list[Answer]) -> list[tuple[Answer, grade.ExerciseScore]]:
         with tempfile.TemporaryDirectory(prefix=f"mistakes-round{r}-") as tmp:
-            results += grade_round(batch, key, Path(tmp), graded_by, draw)
+            return grade_round(batch, key, Path(tmp), graded_by, draw)
+
+    # Each round is its own pytest process in its own folder; two at a time overlap one's start-up
+    # (imports, collection) with the other's tests: chapter 05's five rounds take 45 s instead of 74.
+    with ThreadPoolExecutor(max_workers=ROUNDS_AT_ONCE) as pool:
+        futures = [pool.submit(graded, r, batch) for r, batch in enumerate(rounds(mistakes))]
+        results = [result for future in futures for result in future.result()]
     return sorted(results, key=lambda result: mistakes.index(result[0]))
 
 
