@@ -46,6 +46,7 @@ def instance(spec: dict) -> dict:
         max_model_len=spec["max_model_len"],
         kvcache_block_size=spec["block_size"],
         enforce_eager=spec["enforce_eager"],
+        warm_up=spec["warm_up"],
     )
     if spec.get("pool"):
         kwargs["kv_transfer_config"] = spec["pool"]
@@ -197,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pd-rate", type=float, default=1.0, help="requests per second")
     parser.add_argument("--pd-input-len", default="256:768", help="prompt tokens, N or LOW:HIGH")
     parser.add_argument("--pd-output-len", default="32:64", help="new tokens, N or LOW:HIGH")
+    parser.add_argument(
+        "--warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each engine process warms up at start-up, as by default (the timed requests then meet no new shape)",
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--instance", default=None, help=argparse.SUPPRESS)
     add_quiet_arg(parser)
@@ -222,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         new_tokens=args.new_tokens,
         block_size=args.block_size,
         enforce_eager=args.enforce_eager,
+        warm_up=args.warm_up,
     )
     print(
         f"{cpu_name()}; load average {load_average()}; {args.requests} requests sharing a {args.shared_len}-token "

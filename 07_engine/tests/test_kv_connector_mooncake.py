@@ -86,6 +86,7 @@ def test_a_second_process_is_served_from_the_pool(tmp_path):
             "--new-tokens",
             "4",
             "--enforce-eager",
+            "--no-warm-up",
             "--json",
             str(out),
         ],
