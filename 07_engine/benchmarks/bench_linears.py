@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from floors import Floors, measure_floors
+from floors import Floors, best_seconds, measure_floors
 from machine import add_quiet_arg, check_quiet, load_average, machine_line
 from vllm_from_scratch import default_model_dir
 from vllm_from_scratch.compilation import GRAPHS, SMALL_BATCH_TOKENS
@@ -65,17 +64,6 @@ def engine_weight_shapes(model_dir: str, dtype: str) -> Counter[tuple[int, int]]
     return Counter(tuple(m.weight.shape) for m in runner.model.modules() if isinstance(m, PrepackableWeight))
 
 
-def best_seconds(fn: Callable[[], object], repeats: int = REPEATS) -> float:
-    fn()
-    fn()  # a compiled graph's and oneDNN's first calls set up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def matmul_paths(weights: list[torch.Tensor], x: torch.Tensor) -> dict[str, Callable[[], list[torch.Tensor]]]:
     """One pass of ``x`` over ``weights`` through each of :data:`METHODS`, as calls to time: the
     same products every time (``test_bench_linears.py`` checks that they agree)."""
@@ -102,7 +90,8 @@ def time_methods(weights: list[torch.Tensor], rows: int) -> dict[str, float]:
     """Seconds of one pass of ``rows`` rows over ``weights`` through each of :data:`METHODS`."""
     torch._dynamo.reset()
     x = torch.randn(rows, weights[0].shape[1], generator=torch.Generator().manual_seed(0)).to(weights[0].dtype)
-    return {method: best_seconds(fn) for method, fn in matmul_paths(weights, x).items()}
+    # Two untimed calls: a graph compiles on the first; the second is the compiled code's first run.
+    return {method: best_seconds(fn, REPEATS, warm_calls=2) for method, fn in matmul_paths(weights, x).items()}
 
 
 def floor_seconds(floors: Floors, shape: tuple[int, int], count: int, rows: int, element_size: int) -> float:
@@ -111,6 +100,40 @@ def floor_seconds(floors: Floors, shape: tuple[int, int], count: int, rows: int,
     read = count * out_features * in_features * element_size / floors.read_bytes_per_s
     matmul = count * 2.0 * rows * out_features * in_features / floors.gemm_flop_per_s
     return max(read, matmul)
+
+
+def print_table(results: list[dict], row_counts: list[int], element_size: int) -> None:
+    """One line per weight shape and row count, and a line for all the shapes together: the
+    milliseconds of each path and, in brackets, the floor over that time."""
+    print(f"ms per pass over the weights of a shape [its floor over that time]; load {load_average()}")
+    header = f"{'rows':>4}  {'weight shape':<13} {'count':>5}  {'MB':>6}" + "".join(f"  {m:>17}" for m in METHODS)
+    print(header + "\n" + "-" * len(header))
+    for rows in row_counts:
+        graph = "small" if rows <= SMALL_BATCH_TOKENS else "large"
+        print(f"{rows} rows: the compiled engine runs its {graph} graph")
+        mine = [r for r in results if r["rows"] == rows]
+        lines = [
+            (
+                f"{r['shape'][0]} x {r['shape'][1]}",
+                r["shape"][0] * r["shape"][1] * r["count"],
+                r["count"],
+                r["floor_s"],
+                r["seconds"],
+            )
+            for r in mine
+        ]
+        lines.append(
+            (
+                "all",
+                sum(line[1] for line in lines),
+                sum(line[2] for line in lines),
+                sum(line[3] for line in lines),
+                {m: sum(line[4][m] for line in lines) for m in METHODS},
+            )
+        )
+        for name, params, count, floor_s, seconds in lines:
+            cells = "".join(f"  {seconds[m] * 1e3:8.2f} [{floor_s / seconds[m]:4.0%}]" for m in METHODS)
+            print(f"{rows:>4}  {name:<13} {count:>5}  {params * element_size / 1e6:>6.1f}{cells}")
 
 
 def main() -> None:
@@ -143,29 +166,7 @@ def main() -> None:
                 results.append(
                     {"shape": list(shape), "count": count, "rows": rows, "floor_s": floor, "seconds": seconds}
                 )
-    print(f"ms per pass over the weights of a shape [its floor over that time]; load {load_average()}")
-    header = f"{'rows':>4}  {'weight shape':<13} {'count':>5}  {'MB':>6}" + "".join(f"  {m:>17}" for m in METHODS)
-    print(header + "\n" + "-" * len(header))
-    for rows in args.rows:
-        graph = "small" if rows <= SMALL_BATCH_TOKENS else "large"
-        print(f"{rows} rows: the compiled engine runs its {graph} graph")
-        mine = [r for r in results if r["rows"] == rows]
-        totals = {m: sum(r["seconds"][m] for r in mine) for m in METHODS}
-        for r in [
-            *mine,
-            {
-                "shape": None,
-                "count": sum(r["count"] for r in mine),
-                "rows": rows,
-                "floor_s": sum(r["floor_s"] for r in mine),
-                "seconds": totals,
-            },
-        ]:
-            (o, i) = r["shape"] or (0, 0)
-            name = f"{o} x {i}" if r["shape"] else "all"
-            mb = sum(s[0] * s[1] * c for s, c in shapes.items()) if not r["shape"] else o * i * r["count"]
-            cells = "".join(f"  {r['seconds'][m] * 1e3:8.2f} [{r['floor_s'] / r['seconds'][m]:4.0%}]" for m in METHODS)
-            print(f"{rows:>4}  {name:<13} {r['count']:>5}  {mb * dtype.itemsize / 1e6:>6.1f}{cells}")
+    print_table(results, args.rows, dtype.itemsize)
     if args.json:
         Path(args.json).write_text(
             json.dumps({"machine": machine_line(), "floors": floors.as_json(), "results": results}, indent=2)

@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -91,8 +92,11 @@ def model_footprint(model_dir: str | Path, dtype: torch.dtype) -> ModelFootprint
     )
 
 
-def _best_seconds(fn, repeats: int) -> float:
-    fn()  # warm: page faults, oneDNN's kernel choice
+def best_seconds(fn: Callable[[], object], repeats: int, warm_calls: int = 1) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn``, after ``warm_calls`` untimed ones (page
+    faults, oneDNN's kernel choice, a compiled graph's first runs)."""
+    for _ in range(warm_calls):
+        fn()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -107,7 +111,7 @@ def measure_read_bandwidth(nbytes: int, dtype: torch.dtype, repeats: int = REPEA
     if nbytes <= 0:
         raise ValueError(f"nbytes must be positive, got {nbytes}")
     buffer = torch.ones(max(1, nbytes // torch.empty((), dtype=dtype).element_size()), dtype=dtype)
-    return buffer.numel() * buffer.element_size() / _best_seconds(buffer.sum, repeats)
+    return buffer.numel() * buffer.element_size() / best_seconds(buffer.sum, repeats)
 
 
 def measure_gemm_rate(
@@ -122,7 +126,7 @@ def measure_gemm_rate(
         for (out_features, in_features), count in shapes.items():
             x = torch.randn(rows, in_features).to(dtype)
             w = torch.randn(out_features, in_features).to(dtype)
-            seconds += count * _best_seconds(lambda x=x, w=w: F.linear(x, w), repeats)
+            seconds += count * best_seconds(lambda x=x, w=w: F.linear(x, w), repeats)
             flops += count * 2.0 * rows * in_features * out_features
     return flops / seconds
 

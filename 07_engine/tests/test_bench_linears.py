@@ -3,6 +3,8 @@ engine really multiplies, and each cell's floor is the slower of reading and mul
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from bench_linears import METHODS, engine_weight_shapes, floor_seconds, matmul_paths
+from bench_linears import METHODS, engine_weight_shapes, floor_seconds, matmul_paths, print_table
 from floors import Floors, ModelFootprint
 
 
@@ -63,3 +65,23 @@ def test_a_cells_floor_is_the_slower_of_reading_and_multiplying(read, gemm, out_
     multiplying = count * 2 * rows * out_features * in_features / gemm
     assert floor == pytest.approx(max(reading, multiplying))
     assert floor_seconds(floors, (out_features, in_features), count, rows + 1, 2) >= floor
+
+
+def test_the_table_gives_each_path_as_a_fraction_of_the_floor_and_adds_the_shapes_up(capsys):
+    seconds = {"F.linear": 0.004, "packed": 0.002, "graph small": 0.001, "graph large": 0.008}
+    results = [
+        {"shape": [8, 4], "count": 2, "rows": 1, "floor_s": 0.001, "seconds": seconds},
+        {"shape": [16, 4], "count": 1, "rows": 1, "floor_s": 0.003, "seconds": seconds},
+    ]
+    print_table(results, [1], element_size=2)
+    lines = capsys.readouterr().out.splitlines()
+
+    def cells(line: str) -> list[tuple[str, str]]:  # (ms, percent of the floor) per path
+        return re.findall(r"([\d.]+) \[\s*(\d+)%\]", line)
+
+    first = next(line for line in lines if line.split()[:4] == ["1", "8", "x", "4"])
+    assert first.split()[4:6] == ["2", "0.0"]  # 64 two-byte parameters
+    assert cells(first) == [("4.00", "25"), ("2.00", "50"), ("1.00", "100"), ("8.00", "12")]
+    total = next(line for line in lines if line.split()[1:2] == ["all"])
+    assert total.split()[2:4] == ["3", "0.0"]
+    assert cells(total) == [("8.00", "50"), ("4.00", "100"), ("2.00", "200"), ("16.00", "25")]
