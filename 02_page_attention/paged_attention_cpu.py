@@ -29,175 +29,34 @@ one prompt of 2,048 tokens               47.4 ms              34.7 ms
 
 vLLM keeps the same kind of kernels for its CPU backend (``csrc/cpu/attention.cpp``).
 
-Compiled once per machine and cached; a later process finds the cached shared object by a
-fingerprint of everything the binary depends on (the ``.cpp`` bytes, the compile flags, torch's
-and Python's versions, the CPU) and loads it directly, in milliseconds, without asking a build
-tool. Only when no build matches is it compiled, by ``torch.utils.cpp_extension`` in a child
-process (a C++ compiler is needed; ``setup.sh`` does this once so nothing waits later). The
-build is tuned for the machine that compiles it (``-march=native``), hence the CPU in the
-fingerprint. Where it cannot be built, :func:`cpu_kernel_available` is False and chapter 02's
+Compiled once per machine and cached (``cpp_kernel.py``): a later process finds the cached
+shared object by a fingerprint of everything the binary depends on (the ``.cpp`` bytes, the
+compile flags, torch's and Python's versions, the CPU) and loads it directly, in milliseconds.
+Where it cannot be built, :func:`cpu_kernel_available` is False and chapter 02's
 dispatcher keeps the torch path.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import logging
-import os
-import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from cpp_kernel import CppKernel
 from paged_attention import _check_paged_args
 
-SOURCE = Path(__file__).resolve().parent / "paged_attention_cpu.cpp"
-EXTENSION_NAME = "vllm_fs_paged_attention_cpu"
+KERNEL = CppKernel("vllm_fs_paged_attention_cpu", Path(__file__).resolve().parent / "paged_attention_cpu.cpp")
 HEAD_DIMS = (16, 32, 64, 128, 256)
-STAMP = "build_key.txt"
 logger = logging.getLogger(__name__)
-
-# The child process that compiles: cpp_extension.load writes build.ninja and the shared object
-# into the given directory (and imports it once, which proves it loads).
-_BUILD_SCRIPT = (
-    "import sys\n"
-    "from torch.utils.cpp_extension import load\n"
-    "load(name=sys.argv[1], sources=[sys.argv[2]], build_directory=sys.argv[3], "
-    "extra_cflags=sys.argv[4:])\n"
-)
-
-
-def compile_flags() -> list[str]:
-    """The C++ flags the kernel is compiled with on this machine (part of the cache key)."""
-    flags = ["-O3", "-ffast-math"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        flags.append("-march=native")
-    # at::parallel_for is an inline OpenMP loop: without -fopenmp it would run on one thread.
-    # On Linux the extension then shares torch's own libgomp.so.1 (same soname, loaded first).
-    flags.append("-fopenmp" if sys.platform.startswith("linux") else "-fopenmp-simd")
-    return flags
-
-
-def _cpu_fingerprint() -> str:
-    """A short hash of the CPU's model and feature flags: a native build must not run elsewhere."""
-    text = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            text += "".join(sorted({line for line in f if line.startswith(("model name", "flags"))}))
-    except OSError:
-        text += platform.processor()
-    return hashlib.sha1(text.encode()).hexdigest()[:10]
-
-
-def build_key() -> str:
-    """Everything the compiled kernel depends on, one ``name value`` line each.
-
-    A cached build is used only when its key equals this one, so editing the ``.cpp``, changing a
-    flag, upgrading torch or Python, or moving to another CPU compiles afresh.
-    """
-    return (
-        f"source sha256:{hashlib.sha256(SOURCE.read_bytes()).hexdigest()}\n"
-        f"flags {' '.join(compile_flags())}\n"
-        f"torch {torch.__version__}\n"
-        f"python {sys.implementation.cache_tag} {platform.python_version()}\n"
-        f"cpu {_cpu_fingerprint()}\n"
-    )
-
-
-def cache_dir(key: str) -> Path:
-    """The directory holding the build for ``key``.
-
-    Under ``$TORCH_EXTENSIONS_DIR`` when set, else torch's own default for compiled extensions
-    (``$XDG_CACHE_HOME/torch_extensions``, normally ``~/.cache/torch_extensions``), then
-    ``vllm_fs_paged_attention_cpu/<first 16 hex digits of the key's sha256>``.
-    """
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not root:
-        cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(cache_home, "torch_extensions")
-    return Path(root) / EXTENSION_NAME / hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-def kernel_path(key: str | None = None) -> Path:
-    """The shared object of the build for ``key`` (default: :func:`build_key` of this process)."""
-    return cache_dir(key or build_key()) / f"{EXTENSION_NAME}.so"
-
-
-def is_cached(key: str | None = None) -> bool:
-    """Whether a finished build for ``key`` (default: this machine's) is in the cache.
-
-    The stamp holding the key is written only after a build succeeds, so a build that was
-    interrupted, or a directory whose name collides, does not count.
-    """
-    key = key or build_key()
-    stamp = cache_dir(key) / STAMP
-    return kernel_path(key).is_file() and stamp.is_file() and stamp.read_text() == key
-
-
-def _build_env() -> dict[str, str] | None:
-    """The compiling child's environment: pip's ninja (a pinned requirement) first on PATH.
-
-    ``.venv/bin/python`` run without activating the venv may find no ninja at all; the build
-    directory is fresh for every key, so which ninja builds it does not matter otherwise.
-    """
-    try:
-        import ninja
-    except ImportError:
-        return None
-    return dict(os.environ, PATH=os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")]))
-
-
-def build_cpu_kernel(key: str | None = None) -> Path:
-    """Compile the kernel for ``key`` (default: this machine's) into its cache directory.
-
-    Runs ``torch.utils.cpp_extension.load`` in a child process, so this process's environment
-    and modules stay as they were, then writes the stamp that :func:`is_cached` checks.
-
-    Returns:
-        The path of the shared object.
-
-    Raises:
-        RuntimeError: the compiler failed or is missing (the last lines of its output say why).
-    """
-    key = key or build_key()
-    directory = cache_dir(key)
-    directory.mkdir(parents=True, exist_ok=True)
-    logger.info("compiling %s into %s (once per machine and source, about 25 s)", SOURCE.name, directory)
-    start = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, "-c", _BUILD_SCRIPT, EXTENSION_NAME, str(SOURCE), str(directory), *compile_flags()],
-        capture_output=True,
-        text=True,
-        env=_build_env(),
-    )
-    if result.returncode != 0:
-        lines = [line.strip() for line in (result.stdout + result.stderr).splitlines() if line.strip()]
-        errors = [line for line in lines if "error" in line.lower()]  # the compiler's, then the traceback's
-        raise RuntimeError(f"compiling {SOURCE.name} failed: " + " | ".join((errors or lines)[-3:]))
-    stamp = directory / STAMP
-    partial = stamp.with_name(f"{STAMP}.{os.getpid()}")
-    partial.write_text(key)
-    os.replace(partial, stamp)
-    logger.info("compiled %s in %.1f s", SOURCE.name, time.perf_counter() - start)
-    return kernel_path(key)
-
-
-def _import_extension(path: Path):
-    spec = importlib.util.spec_from_file_location(EXTENSION_NAME, path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @functools.cache
 def load_cpu_kernel():
-    """Return the extension module: loaded from the cache, compiled first if no build matches.
+    """Return the extension module: loaded from the cache, compiled first if no build matches
+    (:class:`cpp_kernel.CppKernel`).
 
     Loading it also registers the torch operator ``torch.ops.vllm_fs_cpu.store_and_attend`` (the
     engine's compiled forward calls it), with a fake implementation for tracing.
@@ -205,13 +64,8 @@ def load_cpu_kernel():
     Raises whatever the build raises (no compiler, no Python headers); see
     :func:`cpu_kernel_available` for the forgiving version.
     """
-    key = build_key()
-    if not is_cached(key):
-        build_cpu_kernel(key)
-    path = kernel_path(key)
-    module = _import_extension(path)
+    module = KERNEL.load()
     torch.library.register_fake("vllm_fs_cpu::store_and_attend")(_store_and_attend_fake)
-    logger.info("loaded cached kernel %s", path)
     return module
 
 
@@ -333,11 +187,11 @@ def main() -> None:
         "CPU were built before."
     )
     parser.parse_args()
-    cached = is_cached()
+    cached = KERNEL.is_cached()
     start = time.perf_counter()
     load_cpu_kernel()
     how = "loaded from the cache" if cached else "compiled"
-    print(f"paged_attention_cpu kernel ready: {kernel_path()} ({how} in {time.perf_counter() - start:.3f} s)")
+    print(f"paged_attention_cpu kernel ready: {KERNEL.kernel_path()} ({how} in {time.perf_counter() - start:.3f} s)")
 
 
 if __name__ == "__main__":

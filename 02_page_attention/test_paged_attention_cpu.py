@@ -16,15 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from cpp_kernel import compile_flags
 from paged_attention import paged_attention_decode, paged_attention_varlen
 from paged_attention_cpu import (
     HEAD_DIMS,
-    build_key,
-    cache_dir,
-    compile_flags,
+    KERNEL,
     cpu_kernel_available,
-    is_cached,
-    kernel_path,
     paged_attention_decode_cpu,
     paged_attention_varlen_cpu,
 )
@@ -199,19 +196,19 @@ def test_without_a_compiler_the_dispatcher_keeps_the_torch_path(tmp_path):
 
 
 def test_the_cache_key_names_everything_the_binary_depends_on(monkeypatch, tmp_path):
-    key = build_key()
+    key = KERNEL.build_key()
     assert [line.split()[0] for line in key.splitlines()] == ["source", "flags", "torch", "python", "cpu"]
     assert f"flags {' '.join(compile_flags())}" in key and f"torch {torch.__version__}" in key
     assert "-fopenmp" in " ".join(compile_flags())
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert cache_dir(key).parent.parent == tmp_path and not is_cached(key)
-    assert cache_dir(key + "cpu another\n") != cache_dir(key)
+    assert KERNEL.cache_dir(key).parent.parent == tmp_path and not KERNEL.is_cached(key)
+    assert KERNEL.cache_dir(key + "cpu another\n") != KERNEL.cache_dir(key)
 
 
 @needs_kernel
 def test_a_cached_kernel_loads_without_compiling_whichever_ninja_is_on_path():
     """Two processes in a row, one finding pip's ninja first and one a system ninja or none."""
-    so = kernel_path()
+    so = KERNEL.kernel_path()
     before = so.stat()
     venv_bin = str(Path(sys.executable).parent)
     paths = [os.pathsep.join([venv_bin, os.environ.get("PATH", "")]), os.pathsep.join(["/usr/bin", "/bin"])]
