@@ -11,7 +11,10 @@ they stream from memory as in a step) through:
 * ``packed``: the weight packed once (``layers/prepacked.py``, the eager engine's path);
 * ``graph small`` and ``graph large``: the linears compiled by inductor with the settings of the
   engine's two graphs (``compilation.GRAPHS``: its own C++ GEMM template, and oneDNN under
-  inductor), weights frozen. The engine runs the first up to ``SMALL_BATCH_TOKENS`` tokens.
+  inductor), weights frozen. Without the engine's GEMM, the engine runs the first up to
+  ``SMALL_BATCH_TOKENS`` tokens and the second above;
+* ``bf16_gemm``: the engine's own GEMM (``layers/bf16_gemm.py``), which every bfloat16 matmul
+  takes, eager and compiled, where the CPU has AVX-512 BF16 (only there is it timed).
 
 Each cell is milliseconds per pass and, in brackets, the shape's floor over that time: the larger
 of reading its weights at the measured read rate and its FLOP at the measured matmul rate
@@ -40,11 +43,18 @@ from machine import add_quiet_arg, check_quiet, load_average, machine_line
 from vllm_from_scratch import default_model_dir
 from vllm_from_scratch.compilation import GRAPHS, SMALL_BATCH_TOKENS
 from vllm_from_scratch.config import EngineConfig
+from vllm_from_scratch.layers import bf16_gemm
 from vllm_from_scratch.layers.prepacked import PrepackableWeight, linear, pack_weight
 from vllm_from_scratch.model_runner import ModelRunner
 
 REPEATS = 10
-METHODS = ("F.linear", "packed", "graph small", "graph large")
+METHODS = ("F.linear", "packed", "graph small", "graph large", "bf16_gemm")
+
+
+def methods_for(dtype: torch.dtype) -> tuple[str, ...]:
+    """The paths of :data:`METHODS` this machine runs for weights of ``dtype``."""
+    own_gemm = dtype == torch.bfloat16 and bf16_gemm.gemm_available()
+    return METHODS if own_gemm else METHODS[:-1]
 
 
 class Linears(nn.Module):
@@ -65,13 +75,16 @@ def engine_weight_shapes(model_dir: str, dtype: str) -> Counter[tuple[int, int]]
 
 
 def matmul_paths(weights: list[torch.Tensor], x: torch.Tensor) -> dict[str, Callable[[], list[torch.Tensor]]]:
-    """One pass of ``x`` over ``weights`` through each of :data:`METHODS`, as calls to time: the
-    same products every time (``test_bench_linears.py`` checks that they agree)."""
+    """One pass of ``x`` over ``weights`` through each path of :func:`methods_for` their dtype, as
+    calls to time: the same products every time (``test_bench_linears.py`` checks that they agree)."""
     packed = [pack_weight(w, x.shape[0]) for w in weights]
     paths = {
         "F.linear": lambda: [F.linear(x, w) for w in weights],
         "packed": lambda: [linear(x, w, packed=p) for w, p in zip(weights, packed)],
     }
+    if "bf16_gemm" in methods_for(weights[0].dtype):
+        own = [bf16_gemm.pack(w) for w in weights]
+        paths["bf16_gemm"] = lambda: [bf16_gemm.linear(x, p, None, w.shape[0]) for w, p in zip(weights, own)]
     for method, graph in (("graph small", "small"), ("graph large", "large")):
         compiled = torch.compile(Linears(weights).eval(), options=GRAPHS[graph])
 
@@ -83,11 +96,11 @@ def matmul_paths(weights: list[torch.Tensor], x: torch.Tensor) -> dict[str, Call
                 return compiled(x)
 
         paths[method] = run
-    return paths
+    return {method: paths[method] for method in methods_for(weights[0].dtype)}
 
 
 def time_methods(weights: list[torch.Tensor], rows: int) -> dict[str, float]:
-    """Seconds of one pass of ``rows`` rows over ``weights`` through each of :data:`METHODS`."""
+    """Seconds of one pass of ``rows`` rows over ``weights`` through each of :func:`matmul_paths`."""
     torch._dynamo.reset()
     x = torch.randn(rows, weights[0].shape[1], generator=torch.Generator().manual_seed(0)).to(weights[0].dtype)
     # Two untimed calls: a graph compiles on the first; the second is the compiled code's first run.
@@ -105,12 +118,14 @@ def floor_seconds(floors: Floors, shape: tuple[int, int], count: int, rows: int,
 def print_table(results: list[dict], row_counts: list[int], element_size: int) -> None:
     """One line per weight shape and row count, and a line for all the shapes together: the
     milliseconds of each path and, in brackets, the floor over that time."""
+    methods = list(results[0]["seconds"])
     print(f"ms per pass over the weights of a shape [its floor over that time]; load {load_average()}")
-    header = f"{'rows':>4}  {'weight shape':<13} {'count':>5}  {'MB':>6}" + "".join(f"  {m:>17}" for m in METHODS)
+    header = f"{'rows':>4}  {'weight shape':<13} {'count':>5}  {'MB':>6}" + "".join(f"  {m:>17}" for m in methods)
     print(header + "\n" + "-" * len(header))
     for rows in row_counts:
         graph = "small" if rows <= SMALL_BATCH_TOKENS else "large"
-        print(f"{rows} rows: the compiled engine runs its {graph} graph")
+        engine = "bf16_gemm" if "bf16_gemm" in methods else f"its {graph} graph"
+        print(f"{rows} rows: the compiled engine runs {engine}")
         mine = [r for r in results if r["rows"] == rows]
         lines = [
             (
@@ -128,11 +143,11 @@ def print_table(results: list[dict], row_counts: list[int], element_size: int) -
                 sum(line[1] for line in lines),
                 sum(line[2] for line in lines),
                 sum(line[3] for line in lines),
-                {m: sum(line[4][m] for line in lines) for m in METHODS},
+                {m: sum(line[4][m] for line in lines) for m in methods},
             )
         )
         for name, params, count, floor_s, seconds in lines:
-            cells = "".join(f"  {seconds[m] * 1e3:8.2f} [{floor_s / seconds[m]:4.0%}]" for m in METHODS)
+            cells = "".join(f"  {seconds[m] * 1e3:8.2f} [{floor_s / seconds[m]:4.0%}]" for m in methods)
             print(f"{rows:>4}  {name:<13} {count:>5}  {params * element_size / 1e6:>6.1f}{cells}")
 
 

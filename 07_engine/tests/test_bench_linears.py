@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from bench_linears import METHODS, engine_weight_shapes, floor_seconds, matmul_paths, print_table
+from bench_linears import engine_weight_shapes, floor_seconds, matmul_paths, methods_for, print_table
 from floors import Floors, ModelFootprint
 
 
@@ -39,7 +39,7 @@ def test_every_path_computes_the_same_products(rows):
     x = torch.randn(rows, 32, generator=generator).bfloat16()
     expected = [F.linear(x.float(), w.float()) for w in weights]
     paths = matmul_paths(weights, x)
-    assert list(paths) == list(METHODS)
+    assert list(paths) == list(methods_for(torch.bfloat16))
     for method, run in paths.items():
         outputs = run()
         assert len(outputs) == len(weights), method

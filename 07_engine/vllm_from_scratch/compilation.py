@@ -9,14 +9,16 @@ change to the model's code:
   too, so the graph holds no copy of it), and the token count, request count, block-table width
   and cache size symbolic. Attention is one opaque operator (``layers/attention.py``,
   :func:`~vllm_from_scratch.layers.attention.unified_attention`); the linear layers are plain
-  ``F.linear`` while traced (``layers/prepacked.py``).
+  ``F.linear`` while traced (``layers/prepacked.py``), or, where the CPU has AVX-512 BF16, the
+  engine's own GEMM operator (``layers/bf16_gemm.py``) in the graph of larger batches.
 * AOTInductor compiles the graph to C++ with the weights frozen (constants), so norms, residual
   adds, RoPE and SiLU·mul fuse into loops between the matmuls, and packs it with its weights into
   one file. Two graphs, split by token count (:data:`SMALL_BATCH_TOKENS`): small batches use
   inductor's own GEMM kernels (``max_autotune`` with its C++ template), which read a weight
   about twice as fast as oneDNN when a matmul has a row or two; larger ones keep oneDNN's packed
-  GEMMs, which the template falls far behind from about eight rows. A third graph is the LM head
-  alone for the same few rows (the sampled rows of a small decode), with the template.
+  GEMMs, which the template falls far behind from about eight rows, or the engine's GEMM, faster
+  than both there. A third graph is the LM head alone for the same few rows (the sampled rows of
+  a small decode), with the template.
 * A package is written once under ``$XDG_CACHE_HOME/vllm_from_scratch/compiled/`` (normally
   ``~/.cache``) in a directory named by everything the compiled code depends on
   (:func:`compile_key`); a later process loads it in a fraction of a second.
@@ -32,6 +34,7 @@ for the whole model at every start. Measured figures: 07_engine/topics/performan
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -40,6 +43,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,7 +54,10 @@ from tqdm.auto import tqdm
 import attention_backends
 from attention_backends import AttentionMetadata
 from chunked_prefill import SchedulerInfo, build_batch_inputs
-from paged_attention_cpu import _cpu_fingerprint, cpu_kernel_available
+from cpp_kernel import cpu_fingerprint
+from paged_attention_cpu import cpu_kernel_available
+from vllm_from_scratch.layers import bf16_gemm
+from vllm_from_scratch.layers.prepacked import PrepackableWeight
 
 if TYPE_CHECKING:
     from torch._inductor.package.package import AOTICompiledModel
@@ -68,6 +75,10 @@ GRAPHS: dict[str, dict[str, object]] = {
     "large": {},
     "logits": {"max_autotune": True, "max_autotune_gemm_backends": "CPP"},
 }
+# The graphs whose matmuls stay inductor's even where the engine's GEMM runs: for up to
+# SMALL_BATCH_TOKENS rows the template reads a weight as fast, and a one-request step through
+# the graph that keeps it measured 1.5-2 ms faster (07_engine/topics/performance.md).
+TEMPLATE_GRAPHS = frozenset({"small", "logits"})
 STAMP = "key.txt"
 # The code a graph is traced from: the models, their layers, this module, and chapter 02's
 # AttentionMetadata, whose field order the graph's inputs follow.
@@ -90,8 +101,9 @@ def compile_key(config: EngineConfig) -> str:
     the checkpoint (its config and the size and time of each weight file: the weights are frozen
     into the package), the KV layout, the dtype, whether chapter 02's C++ kernels load (the graphs
     then call their operator; asking loads them, which registers it before any graph is loaded),
-    the threads (the C++ loops are split for them), torch, Python and the CPU. A package is loaded
-    only when its key equals this one."""
+    the threads (the C++ loops are split for them), whether the engine's GEMM runs (the large graph
+    calls its operator), torch, Python and the CPU. A package is loaded only when its key equals
+    this one."""
     model_dir = Path(config.model_dir).resolve()
     weights = sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin"))
     source = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()
@@ -103,11 +115,11 @@ def compile_key(config: EngineConfig) -> str:
         f"source sha256:{source}\n"
         f"model {model_dir} sha256:{checkpoint.hexdigest()}\n"
         f"dtype {config.torch_dtype} block_size {config.kvcache_block_size} attention {config.attention_backend}"
-        f" cpp_kernels {cpu_kernel_available()}\n"
+        f" cpp_kernels {cpu_kernel_available()} bf16_gemm {bf16_gemm.gemm_available()}\n"
         f"threads {torch.get_num_threads()}\n"
         f"torch {torch.__version__}\n"
         f"python {sys.implementation.cache_tag} {platform.python_version()}\n"
-        f"cpu {_cpu_fingerprint()}\n"
+        f"cpu {cpu_fingerprint()}\n"
     )
 
 
@@ -162,8 +174,28 @@ def _example_inputs(num_tokens: int, kv_cache: torch.Tensor, block_size: int) ->
     )
 
 
+@contextlib.contextmanager
+def _inductor_matmuls(model: nn.Module) -> Iterator[None]:
+    """Within: the model's linear layers trace as ``F.linear``, their weights packed for the
+    engine's GEMM set aside (and put back after)."""
+    layers = [m for m in model.modules() if isinstance(m, PrepackableWeight) and m.gemm_weight is not None]
+    kept = [m.gemm_weight for m in layers]
+    for m in layers:
+        m.gemm_weight = None
+    try:
+        yield
+    finally:
+        for m, packed in zip(layers, kept):
+            m.gemm_weight = packed
+
+
 def _compile_graph(model: nn.Module, kv_cache: torch.Tensor, config: EngineConfig, name: str, path: Path) -> None:
     """Export graph ``name`` (the forward for its token range, or the LM head) and compile it into ``path``."""
+    with _inductor_matmuls(model) if name in TEMPLATE_GRAPHS else contextlib.nullcontext():
+        _export_and_package(model, kv_cache, config, name, path)
+
+
+def _export_and_package(model: nn.Module, kv_cache: torch.Tensor, config: EngineConfig, name: str, path: Path) -> None:
     if name == "logits":
         rows = torch.export.Dim("rows", min=1, max=SMALL_BATCH_TOKENS)
         hidden = kv_cache.new_zeros(SMALL_BATCH_TOKENS, config.hf_config.hidden_size)

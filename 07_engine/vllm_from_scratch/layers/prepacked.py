@@ -1,4 +1,8 @@
-"""Weights packed once for the CPU's matmul library: the same products, less work per step.
+"""Weights packed once for the CPU's matmul: the same products, less work per step.
+
+Where the CPU has AVX-512 BF16, a bfloat16 weight is packed for the engine's own GEMM
+(``bf16_gemm.py``), which reads weights faster than oneDNN at every row count measured, and
+every matmul of that weight takes it. What follows is the path of every other CPU and dtype.
 
 ``F.linear`` has oneDNN reorder ("pack") the weight into its tiled layout on every call, a large
 share of a decode-sized matmul, so the engine packs once after loading (07_engine/README.md,
@@ -23,6 +27,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
+
+from vllm_from_scratch.layers import bf16_gemm
 
 # Rows from which a matmul is compute-bound enough for the float32 copy to win. Measured on the
 # VM above, all linear shapes of SmolLM2-135M plus its LM head, float32 time / bf16 time:
@@ -119,21 +125,31 @@ class PrepackableWeight:
     """Mixin for a module with a 2-D ``weight``: ``prepack()`` it once loaded, then ``self.matmul(x)``."""
 
     weight: torch.nn.Parameter
+    gemm_weight: torch.Tensor | None = None
     packed_weight: torch.Tensor | None = None
     packed_weight_fp32: torch.Tensor | None = None
 
     def prepack(self, float32_copy: bool | None = None) -> bool:
-        """Pack the loaded weight (a copy: a tied embedding keeps its own rows), and a float32 copy
-        of a bf16 weight when ``float32_copy`` (``None``: where :func:`bf16_matmul_is_slow`);
-        False if packing does not apply."""
+        """Pack the loaded weight (a copy: a tied embedding keeps its own rows); False if packing
+        does not apply.
+
+        A bfloat16 CPU weight is packed for the engine's own GEMM where it runs
+        (:func:`bf16_gemm.gemm_available`), which every matmul then takes, compiled ones too.
+        Otherwise it is packed for oneDNN, with a float32 copy of a bf16 weight when
+        ``float32_copy`` (``None``: where :func:`bf16_matmul_is_slow`)."""
+        self.gemm_weight = self.packed_weight = self.packed_weight_fp32 = None
+        if self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" and bf16_gemm.gemm_available():
+            self.gemm_weight = bf16_gemm.pack(self.weight)
+            return True
         self.packed_weight = pack_weight(self.weight)
-        self.packed_weight_fp32 = None
         if self.packed_weight is not None and self.weight.dtype == torch.bfloat16:
             if bf16_matmul_is_slow() if float32_copy is None else float32_copy:
                 self.packed_weight_fp32 = pack_weight(self.weight.float())
         return self.packed_weight is not None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.gemm_weight is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return bf16_gemm.linear(x, self.gemm_weight, bias, self.weight.shape[0])
         return linear(x, self.weight, bias, self.packed_weight, self.packed_weight_fp32)
 
 

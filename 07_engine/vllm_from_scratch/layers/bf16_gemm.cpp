@@ -1,0 +1,190 @@
+// y = x W^T (+ bias) for bfloat16 x [M, K] and W [N, K] on a CPU with AVX-512 BF16, any M.
+//
+// Built on first use by bf16_gemm.py (07_engine/vllm_from_scratch/layers), only where the CPU has
+// the vdpbf16ps instruction: one instruction multiplies 16 pairs of bfloat16 by 16 pairs and adds
+// the pair sums into 16 float32 lanes. W is packed once, after loading, so that every load of it
+// is one whole register: packed[b][p] holds, for the 16 output columns of block b, their elements
+// 2p and 2p + 1 of K side by side ([N/16][K/2][16][2], zeros past N and K).
+//
+// A tile of NR column blocks is one work item: its packed weights are contiguous (NR x K x 32
+// bytes), read once from memory by the first MR rows and from the L2 cache by the next. For each
+// pair of K, a register of x's pair (the same two elements in every lane) meets the tile's NR
+// weight registers: MR x NR independent float32 sums, so the FMA unit never waits on one. A few
+// rows (a decode) stream the weights at memory speed with four blocks a tile; from eight rows the
+// arithmetic counts, and eight rows by three blocks (24 sums, 3 weight loads and 8 broadcasts per
+// pair) keeps the FMA unit busy. oneDNN's bfloat16 GEMM, whose tiles suit large M, reads a
+// weight half as fast at one row and is slower at every M this was measured at (1-512;
+// 07_engine/topics/performance.md).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <cstring>
+#include <vector>
+
+#if !defined(__AVX512BF16__)
+#error "bf16_gemm.cpp needs a CPU with AVX-512 BF16 (bf16_gemm.py only builds it on one)"
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // output columns per packed block: one register of float32 sums
+
+// How far ahead, in pairs of K, a tile's weights are prefetched when the rows make it
+// compute-bound: the hardware prefetcher alone left gaps between the tile's NR streams.
+constexpr int64_t kPrefetchPairs = 8;
+
+struct Problem {
+  const uint16_t* x;   // [M, K] bfloat16 bits
+  const uint16_t* w;   // packed [N/16][K/2][16][2]
+  const float* bias;   // [N] or nullptr
+  uint16_t* y;         // [M, N] bfloat16 bits
+  int64_t m, n, k, pairs;
+};
+
+// Rows [row, row + MR) of x times column blocks [block, block + NR), stored to y.
+template <int MR, int NR>
+inline void tile(const Problem& p, int64_t row, int64_t block) {
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  const uint16_t* w = p.w + block * p.pairs * 2 * kBlock;
+  const int64_t block_stride = p.pairs * 2 * kBlock;  // from one packed block to the next
+  const uint16_t* x = p.x + row * p.k;
+  for (int64_t pair = 0; pair < p.pairs; ++pair) {
+    __m512bh weights[NR];
+    for (int j = 0; j < NR; ++j) {
+      weights[j] = (__m512bh)_mm512_loadu_si512(w + j * block_stride + pair * 2 * kBlock);
+      if constexpr (MR >= 8) _mm_prefetch(w + j * block_stride + (pair + kPrefetchPairs) * 2 * kBlock, _MM_HINT_T0);
+    }
+    for (int r = 0; r < MR; ++r) {
+      int32_t both;  // elements 2 pair and 2 pair + 1 of row r, one 32-bit word (K is even here)
+      std::memcpy(&both, x + r * p.k + 2 * pair, sizeof(both));
+      const __m512bh xs = (__m512bh)_mm512_set1_epi32(both);
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xs, weights[j]);
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t first = (block + j) * kBlock;
+    const int64_t valid = std::min<int64_t>(kBlock, p.n - first);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + first) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      // Rounded to nearest even, as torch rounds float32 to bfloat16.
+      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], bias));
+      _mm256_mask_storeu_epi16(p.y + (row + r) * p.n + first, mask, (__m256i)out);
+    }
+  }
+}
+
+// Every row of x times blocks [block, block + NR): MR rows at a time, then the rest.
+template <int MR, int NR>
+void rows(const Problem& p, int64_t block) {
+  int64_t row = 0;
+  for (; row + MR <= p.m; row += MR) tile<MR, NR>(p, row, block);
+  const int64_t rest = p.m - row;
+  if constexpr (MR > 1) {
+    if (rest > 0) {
+      // One of MR - 1 smaller tiles, chosen at run time.
+      [&]<int... R>(std::integer_sequence<int, R...>) {
+        ((rest == R + 1 ? tile<R + 1, NR>(p, row, block) : void()), ...);
+      }(std::make_integer_sequence<int, MR - 1>{});
+    }
+  }
+}
+
+// Blocks [first, first + count) in tiles of NR, the last tile narrower when NR does not divide.
+template <int MR, int NR>
+void blocks(const Problem& p, int64_t first, int64_t count) {
+  int64_t block = first;
+  for (; block + NR <= first + count; block += NR) rows<MR, NR>(p, block);
+  const int64_t rest = first + count - block;
+  if constexpr (NR > 1) {
+    if (rest > 0) {
+      [&]<int... J>(std::integer_sequence<int, J...>) {
+        ((rest == J + 1 ? rows<MR, J + 1>(p, block) : void()), ...);
+      }(std::make_integer_sequence<int, NR - 1>{});
+    }
+  }
+}
+
+// Tiles split across the threads; a thread's share is whole tiles of consecutive blocks.
+template <int MR, int NR>
+void gemm(const Problem& p) {
+  const int64_t num_blocks = (p.n + kBlock - 1) / kBlock;
+  const int64_t num_tiles = (num_blocks + NR - 1) / NR;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    blocks<MR, NR>(p, begin * NR, std::min(end * NR, num_blocks) - begin * NR);
+  });
+}
+
+}  // namespace
+
+// W [N, K] bfloat16 in the layout above.
+torch::Tensor bf16_gemm_pack(torch::Tensor weight) {
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
+                    "weight must be a 2-D bfloat16 CPU tensor");
+  weight = weight.contiguous();
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t num_blocks = (n + kBlock - 1) / kBlock, pairs = (k + 1) / 2;
+  auto packed = torch::zeros({num_blocks, pairs, kBlock, 2}, weight.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t col = 0; col < std::min(kBlock, n - b * kBlock); ++col)
+        for (int64_t e = 0; e < k; ++e)
+          dst[((b * pairs + e / 2) * kBlock + col) * 2 + e % 2] = src[(b * kBlock + col) * k + e];
+  });
+  return packed;
+}
+
+// x [..., K] bfloat16 times the packed weight of out_features rows, plus bias [N] if given.
+torch::Tensor bf16_gemm_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias,
+                               int64_t out_features) {
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+                    "x and the packed weight must be bfloat16 CPU tensors");
+  TORCH_CHECK_VALUE(packed.dim() == 4 && packed.size(2) == kBlock && packed.size(3) == 2 && packed.is_contiguous(),
+                    "packed must come from bf16_gemm_pack");
+  const int64_t k = x.size(-1), pairs = packed.size(1);
+  TORCH_CHECK_VALUE(x.dim() >= 1 && (k + 1) / 2 == pairs, "x's last dimension must be the weight's in_features");
+  TORCH_CHECK_VALUE(out_features > (packed.size(0) - 1) * kBlock && out_features <= packed.size(0) * kBlock,
+                    "out_features must be the packed weight's row count");
+  auto rows_of_x = x.reshape({-1, k});
+  if (k % 2) rows_of_x = torch::constant_pad_nd(rows_of_x, {0, 1});  // pairs whole: the packed tail is zero
+  rows_of_x = rows_of_x.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  auto y = torch::empty(sizes, x.options());
+  torch::Tensor bias_f32;
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == out_features, "bias must have out_features entries");
+    bias_f32 = bias->to(torch::kFloat32).contiguous();
+  }
+  const Problem p{reinterpret_cast<const uint16_t*>(rows_of_x.data_ptr()),
+                  reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+                  bias.has_value() ? bias_f32.data_ptr<float>() : nullptr,
+                  reinterpret_cast<uint16_t*>(y.data_ptr()),
+                  rows_of_x.size(0),
+                  out_features,
+                  rows_of_x.size(1),
+                  pairs};
+  if (p.m == 0) return y;
+  if (p.m <= 4)
+    gemm<4, 4>(p);
+  else
+    gemm<8, 3>(p);
+  return y;
+}
+
+TORCH_LIBRARY(vllm_fs_gemm, m) {
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vllm_fs_gemm, CPU, m) { m.impl("linear", &bf16_gemm_linear); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &bf16_gemm_pack, "W [N, K] bfloat16 packed for linear: [ceil(N/16), ceil(K/2), 16, 2]");
+}
