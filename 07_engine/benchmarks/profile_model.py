@@ -222,7 +222,10 @@ def time_engine_phases(args: argparse.Namespace) -> None:
     import vllm_from_scratch.model_runner as model_runner
     from vllm_from_scratch import LLM, SamplingParams
 
-    budget = max(args.prefill_lens + [max(args.batch_sizes)])
+    # Every decoding request's prompt in one step, so that all of them decode from --context-len:
+    # under a smaller budget the first ones would decode while later ones still filled their
+    # prompts chunk by chunk, and attend to far longer contexts in the timed steps.
+    budget = max(args.prefill_lens + [max(args.batch_sizes) * args.context_len])
     engine = LLM(
         args.model or default_model_dir(),
         dtype=args.dtype,
