@@ -124,8 +124,8 @@ def print_table(results: list[dict], row_counts: list[int], element_size: int) -
     print(header + "\n" + "-" * len(header))
     for rows in row_counts:
         graph = "small" if rows <= SMALL_BATCH_TOKENS else "large"
-        engine = "bf16_gemm" if "bf16_gemm" in methods else f"its {graph} graph"
-        print(f"{rows} rows: the compiled engine runs {engine}")
+        through = ", through bf16_gemm" if graph == "large" and "bf16_gemm" in methods else ""
+        print(f"{rows} rows: the compiled engine runs its {graph} graph{through}")
         mine = [r for r in results if r["rows"] == rows]
         lines = [
             (
