@@ -29,6 +29,8 @@ from test_engine_parity import BLOCK, FEATURES, GREEDY, hf_greedy, make_prompts
 from vllm_from_scratch import LLM, SamplingParams, compilation, default_model_dir
 from vllm_from_scratch.compilation import SMALL_BATCH_TOKENS, CompiledForward, compile_key
 from vllm_from_scratch.config import EngineConfig
+from vllm_from_scratch.layers import bf16_gemm
+from vllm_from_scratch.layers.prepacked import PrepackableWeight
 from vllm_from_scratch.loader import resolve_dtype
 
 
@@ -127,6 +129,30 @@ def test_the_graph_calls_chapter_02s_cpp_operator_for_attention(tiny_llama_dir):
     targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
     expected = "vllm_fs_cpu.store_and_attend" if cpu_kernel_available() else "vllm_fs.unified_attention"
     assert sum(expected in t for t in targets) == len(runner.attn_layers), targets
+
+
+@pytest.mark.skipif(not bf16_gemm.gemm_available(), reason="this CPU has no AVX-512 BF16")
+def test_only_the_large_graph_calls_the_engines_gemm(tiny_llama_dir):
+    """In bfloat16 every linear of the large graph is one call of the engine's GEMM; the template
+    graphs trace F.linear (inductor's own GEMM) and leave the packed weights as they found them."""
+    llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="bfloat16", enforce_eager=True)
+    runner = llm.llm_engine.executor.runner
+    layers = [m for m in runner.model.modules() if isinstance(m, PrepackableWeight)]
+    packed = [m.gemm_weight for m in layers]
+    assert all(p is not None for p in packed)
+    assert compilation.TEMPLATE_GRAPHS < set(compilation.GRAPHS) and "large" not in compilation.TEMPLATE_GRAPHS
+    example = compilation._example_inputs(8, runner.kv_cache, BLOCK)
+
+    def gemm_calls() -> int:
+        with torch.inference_mode():
+            program = torch.export.export(compilation._ForwardWithCache(runner.model), example, strict=False)
+        return sum("vllm_fs_gemm.linear" in str(node.target) for node in program.graph.nodes)
+
+    with compilation._inductor_matmuls(runner.model):
+        assert all(m.gemm_weight is None for m in layers)
+        assert gemm_calls() == 0
+    assert all(m.gemm_weight is p for m, p in zip(layers, packed))
+    assert gemm_calls() == 4 * runner.model.config.num_hidden_layers  # QKV, O, gate-up, down
 
 
 def test_a_cpu_compiles_unless_eager_is_enforced_or_the_model_is_split(tiny_llama_dir):
