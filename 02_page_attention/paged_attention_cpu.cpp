@@ -10,6 +10,8 @@
 // longest, and runs SDPA's flash kernel, whose tiles are built for many query rows, with the one
 // or few query rows of a decode. Here each (sequence, query head) is a work item that streams its
 // own keys once for the scores and its values once for the output, with no padding and no copy.
+// Where the CPU has AVX512-BF16, bfloat16 heads take decode_bf16 and varlen_bf16, which multiply
+// bfloat16 pairs in hardware (the section at the end).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -23,6 +25,10 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -259,6 +265,24 @@ struct Tile {
   int64_t seq, first_query, count, cost;  // queries first_query .. + count of the sequence, in (row, head) order
 };
 
+// Every sequence's tiles, costliest first: tiles late in a long prompt see many more keys than
+// early ones, and handing out the costliest first, to whichever thread is free, keeps the threads
+// finishing together.
+inline std::vector<Tile> sorted_tiles(const int* cu_seqlens_q, const int* seq_lens_k, const Shape& s) {
+  const int64_t group = s.num_q_heads / s.num_kv_heads;
+  std::vector<Tile> tiles;
+  for (int64_t seq = 0; seq < s.num_seqs; ++seq) {
+    const int64_t q_len = cu_seqlens_q[seq + 1] - cu_seqlens_q[seq];
+    const int64_t context = seq_lens_k[seq] - q_len;
+    for (int64_t first = 0; first < q_len * group; first += kLanes) {
+      const int64_t count = std::min<int64_t>(kLanes, q_len * group - first);
+      tiles.push_back({seq, first, count, count * (context + (first + count - 1) / group + 1)});
+    }
+  }
+  std::sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
+  return tiles;
+}
+
 // e^x lane by lane, in a loop the compiler turns into one call of the vector math library.
 inline Vec exp_lanes(Vec x) {
   auto lanes = bit_cast<std::array<float, kLanes>>(x);
@@ -277,18 +301,7 @@ void varlen(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
   const int64_t group = s.num_q_heads / s.num_kv_heads;
   const int64_t token_stride = s.num_kv_heads * D;
   const int64_t block_stride = s.block_size * token_stride;
-  std::vector<Tile> tiles;
-  for (int64_t seq = 0; seq < s.num_seqs; ++seq) {
-    const int64_t q_len = cu_seqlens_q[seq + 1] - cu_seqlens_q[seq];
-    const int64_t context = seq_lens_k[seq] - q_len;
-    for (int64_t first = 0; first < q_len * group; first += kLanes) {
-      const int64_t count = std::min<int64_t>(kLanes, q_len * group - first);
-      tiles.push_back({seq, first, count, count * (context + (first + count - 1) / group + 1)});
-    }
-  }
-  // Tiles late in a long prompt see many more keys than early ones; handing out the costliest
-  // first, to whichever thread is free, keeps the threads finishing together.
-  std::sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
+  const std::vector<Tile> tiles = sorted_tiles(cu_seqlens_q, seq_lens_k, s);
   const int64_t num_items = static_cast<int64_t>(tiles.size()) * s.num_kv_heads;
   std::atomic<int64_t> next_item{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
@@ -388,6 +401,251 @@ void varlen(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
   });
 }
 
+#if defined(__AVX512BF16__)
+// The same two kernels for bfloat16 on a CPU with AVX512-BF16. vdpbf16ps multiplies 16 pairs of
+// bfloat16 by 16 pairs and adds each lane's two products to a float32 sum; a product of two
+// bfloat16 is exact in float32, so q . k is the float32 kernels' sum in another order, at half
+// their instructions, and the keys are read as they lie instead of widened. p . v needs the
+// softmax weights in bfloat16: each is rounded once, to nearest even, as torch's CPU flash
+// attention rounds them before its p . V product, and their total stays a float32 sum. The
+// result is scaled by 1 / total and rounded once, as before.
+
+template <int D>
+constexpr bool kDotBf16 = D % 32 == 0;  // a row is whole registers of 32 bfloat16
+
+// One 32-bit word, two bfloat16, in every lane.
+inline __m512bh broadcast_pair(const void* p) {
+  uint32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+}
+
+// Rows a and b of D bfloat16 as D / 16 registers of (a[d], b[d]) pairs, the operand p . v
+// multiplies by a broadcast pair of weights. unpacklo / unpackhi interleave inside each 128-bit
+// lane, so the dimensions come out in the order pair_dim gives; the float32 sums keep that order
+// and store_pair_order puts it back.
+template <int D>
+inline void interleave_rows(const at::BFloat16* a, const at::BFloat16* b, __m512i (&pairs)[D / 16]) {
+#pragma GCC unroll 8
+  for (int w = 0; w < D / 32; ++w) {
+    const __m512i x = _mm512_loadu_si512(a + 32 * w), y = _mm512_loadu_si512(b + 32 * w);
+    pairs[2 * w] = _mm512_unpacklo_epi16(x, y);
+    pairs[2 * w + 1] = _mm512_unpackhi_epi16(x, y);
+  }
+}
+
+// The dimension lane i of sum register c holds in interleave_rows' order.
+constexpr int pair_dim(int c, int i) { return 32 * (c / 2) + 8 * (i / 4) + 4 * (c % 2) + i % 4; }
+
+template <int D>
+inline void store_pair_order(const __m512 (&sums)[D / 16], float scale, at::BFloat16* p) {
+  alignas(64) float x[D / 16][16];
+  for (int c = 0; c < D / 16; ++c) _mm512_store_ps(x[c], sums[c]);
+  for (int c = 0; c < D / 16; ++c)
+    for (int i = 0; i < 16; ++i) p[pair_dim(c, i)] = from_float<at::BFloat16>(x[c][i] * scale);
+}
+
+// Lane l of the result is the pair (bfloat16(first[l]), bfloat16(second[l])).
+inline __m512i weight_pairs(__m512 first, __m512 second) {
+  // cvtne2ps puts the second operand's 16 values first; the permutation interleaves the halves.
+  static const __m512i order = [] {
+    alignas(64) uint16_t lanes[32];
+    for (int i = 0; i < 32; ++i) lanes[i] = static_cast<uint16_t>(i % 2 * 16 + i / 2);
+    return _mm512_load_si512(lanes);
+  }();
+  return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+}
+
+// Where token t of a sequence lies in its layer's cache (keys and values alike), for every t.
+inline void token_offsets(const int* table, int64_t len, int64_t kv_head, int64_t head_dim, const Shape& s,
+                          int64_t* offsets) {
+  const int64_t token_stride = s.num_kv_heads * head_dim;
+  for (int64_t start = 0, b = 0; start < len; start += s.block_size, ++b) {
+    const int64_t base = table[b] * s.block_size * token_stride + kv_head * head_dim;
+    const int64_t n = std::min(s.block_size, len - start);
+    for (int64_t j = 0; j < n; ++j) offsets[start + j] = base + j * token_stride;
+  }
+}
+
+template <int D>
+void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
+                 const int* block_tables, const int* context_lens, at::BFloat16* out, const Shape& s, float scale) {
+  constexpr int W = D / 32, C = D / 16;
+  static const at::BFloat16 zero_row[D] = {};  // the partner of an odd context's last value
+  const int64_t group = s.num_q_heads / s.num_kv_heads;
+  at::parallel_for(0, s.num_seqs * s.num_q_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(s.max_len + 2 * kLanes);  // whole registers, and a zero weight past the end
+    std::vector<int64_t> offsets(s.max_len + kLanes);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / s.num_q_heads;
+      const int64_t kv_head = item % s.num_q_heads / group;
+      const int64_t len = context_lens[seq];
+      // A sequence's nine heads share their tokens' places; they are found once per KV head.
+      if (item == begin || item % group == 0)
+        token_offsets(block_tables + seq * s.max_blocks, len, kv_head, D, s, offsets.data());
+      __m512bh query[W];
+      for (int w = 0; w < W; ++w) query[w] = (__m512bh)_mm512_loadu_si512(q + item * D + 32 * w);
+
+      // Scores, a register's worth of keys at a time; the keys a register ahead are prefetched.
+      for (int64_t t = 0; t < len; t += kLanes) {
+        const int64_t n = std::min<int64_t>(kLanes, len - t);
+        for (int64_t j = t + kLanes; j < std::min(len, t + 2 * kLanes); ++j)
+          prefetch_rows<D>(k_cache + offsets[j], 1, 0);
+        Vec part[kLanes];
+        for (int j = 0; j < kLanes; ++j) {
+          if (j >= n) {
+            part[j] = Vec{};
+            continue;
+          }
+          const at::BFloat16* key = k_cache + offsets[t + j];
+          __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), query[0], (__m512bh)_mm512_loadu_si512(key));
+#pragma GCC unroll 8
+          for (int w = 1; w < W; ++w) sum = _mm512_dpbf16_ps(sum, query[w], (__m512bh)_mm512_loadu_si512(key + 32 * w));
+          part[j] = bit_cast<Vec>(sum);
+        }
+        const Vec dots = sum_lanes(part) * scale;
+        std::memcpy(scores.data() + t, &dots, sizeof(dots));
+      }
+      float max_score = std::numeric_limits<float>::lowest();
+#pragma omp simd reduction(max : max_score)
+      for (int64_t t = 0; t < len; ++t) max_score = scores[t] > max_score ? scores[t] : max_score;
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t t = 0; t < len; ++t) {
+        scores[t] = std::exp(scores[t] - max_score);
+        total += scores[t];
+      }
+      scores[len] = 0.f;
+
+      // Values two at a time, each pair against its two weights.
+      __m512 acc[C];
+      for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < len; t += 2) {
+        if (t + kLanes + 1 < len) {
+          prefetch_rows<D>(v_cache + offsets[t + kLanes], 1, 0);
+          prefetch_rows<D>(v_cache + offsets[t + kLanes + 1], 1, 0);
+        }
+        __m512i pairs[C];
+        interleave_rows<D>(v_cache + offsets[t], t + 1 < len ? v_cache + offsets[t + 1] : zero_row, pairs);
+        const uint32_t word = uint32_t{from_float<at::BFloat16>(scores[t]).x} |
+                              uint32_t{from_float<at::BFloat16>(scores[t + 1]).x} << 16;
+        const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)pairs[c], weights);
+      }
+      store_pair_order<D>(acc, 1.f / total, out + item * D);
+    }
+  });
+}
+
+template <int D>
+void varlen_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
+                 const int* block_tables, const int* cu_seqlens_q, const int* seq_lens_k, at::BFloat16* out,
+                 const Shape& s, float scale) {
+  constexpr int C = D / 16;
+  constexpr int kTogether = C >= 16 ? 1 : 16 / C;  // lanes whose p . v run at once: 16 sums in registers
+  constexpr float kMasked = std::numeric_limits<float>::lowest();
+  static const at::BFloat16 zero_row[D] = {};
+  const int64_t group = s.num_q_heads / s.num_kv_heads;
+  const std::vector<Tile> tiles = sorted_tiles(cu_seqlens_q, seq_lens_k, s);
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * s.num_kv_heads;
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    alignas(64) uint32_t queries[D / 2][kLanes];      // elements 2p and 2p + 1 of every lane's query
+    alignas(64) uint32_t weights[kLanes / 2][kLanes];  // lane l's softmax weights of keys 2i and 2i + 1
+    __m512i values[kLanes / 2][C];                     // values 2i and 2i + 1, interleaved
+    __m512 acc[kLanes][C];
+    int64_t offsets[kLanes];
+    for (int64_t item; (item = next_item.fetch_add(1)) < num_items;) {
+      const Tile& tile = tiles[item / s.num_kv_heads];
+      const int64_t kv_head = item % s.num_kv_heads;
+      const int64_t q_len = cu_seqlens_q[tile.seq + 1] - cu_seqlens_q[tile.seq];
+      const int64_t context = seq_lens_k[tile.seq] - q_len;
+      const int* table = block_tables + tile.seq * s.max_blocks;
+      auto query_offset = [&](int64_t lane) {
+        const int64_t query = tile.first_query + lane;
+        const int64_t token = cu_seqlens_q[tile.seq] + query / group;
+        return (token * s.num_q_heads + kv_head * group + query % group) * D;
+      };
+      float last_key_of[kLanes];
+      for (int l = 0; l < kLanes; ++l) {
+        uint32_t words[D / 2] = {};
+        if (l < tile.count) std::memcpy(words, q + query_offset(l), sizeof(words));
+        for (int p = 0; p < D / 2; ++p) queries[p][l] = words[p];
+        last_key_of[l] = l < tile.count ? static_cast<float>(context + (tile.first_query + l) / group) : -1.f;
+        for (int c = 0; c < C; ++c) acc[l][c] = _mm512_setzero_ps();
+      }
+      const Vec last_key = bit_cast<Vec>(last_key_of);
+      Vec max_score = Vec{} + kMasked, total = Vec{};
+      const int64_t keys_seen = context + (tile.first_query + tile.count - 1) / group + 1;
+      for (int64_t start = 0; start < keys_seen; start += kLanes) {
+        const int64_t n = std::min<int64_t>(kLanes, keys_seen - start);
+        for (int64_t j = 0; j < kLanes; ++j) {
+          const int64_t pos = start + std::min(j, n - 1);  // keys past n repeat the last; they are not used
+          offsets[j] = table[pos / s.block_size] * s.block_size * s.num_kv_heads * D +
+                       pos % s.block_size * s.num_kv_heads * D + kv_head * D;
+        }
+        // Four keys at a time, two chains each, as the float32 kernel; a broadcast pair of a key's
+        // elements against the tile's pairs of query elements.
+        Vec scores[kLanes];
+        for (int64_t j = 0; j < n; j += 4) {
+          __m512 even[4], odd[4];
+          for (int k = 0; k < 4; ++k) even[k] = odd[k] = _mm512_setzero_ps();
+#pragma GCC unroll 32
+          for (int p = 0; p < D / 2; p += 2) {
+            const __m512bh q_even = (__m512bh)_mm512_load_si512(queries[p]);
+            const __m512bh q_odd = (__m512bh)_mm512_load_si512(queries[p + 1]);
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; ++k) {
+              const at::BFloat16* key = k_cache + offsets[j + k];
+              even[k] = _mm512_dpbf16_ps(even[k], q_even, broadcast_pair(key + 2 * p));
+              odd[k] = _mm512_dpbf16_ps(odd[k], q_odd, broadcast_pair(key + 2 * p + 2));
+            }
+          }
+          for (int k = 0; k < 4; ++k) scores[j + k] = bit_cast<Vec>(_mm512_add_ps(even[k], odd[k])) * scale;
+        }
+        Vec new_max = max_score;
+        for (int64_t j = 0; j < n; ++j) {
+          scores[j] = static_cast<float>(start + j) <= last_key ? scores[j] : Vec{} + kMasked;
+          new_max = max_lanes(new_max, scores[j]);
+        }
+        const Vec rescale = exp_lanes(max_score - new_max);
+        max_score = new_max;
+        total *= rescale;
+        Vec p[kLanes];
+        for (int64_t j = 0; j < kLanes; ++j) {
+          p[j] = j < n ? exp_lanes(scores[j] - max_score) : Vec{};
+          total += p[j];
+        }
+        const int64_t pairs = (n + 1) / 2;
+        for (int64_t i = 0; i < pairs; ++i) {
+          _mm512_store_si512(weights[i], weight_pairs(bit_cast<__m512>(p[2 * i]), bit_cast<__m512>(p[2 * i + 1])));
+          interleave_rows<D>(v_cache + offsets[2 * i], 2 * i + 1 < n ? v_cache + offsets[2 * i + 1] : zero_row,
+                             values[i]);
+        }
+        const auto rescale_of = bit_cast<std::array<float, kLanes>>(rescale);
+        for (int64_t l = 0; l < tile.count; l += kTogether) {
+          __m512 sums[kTogether][C];
+          for (int g = 0; g < kTogether; ++g)
+            for (int c = 0; c < C; ++c) sums[g][c] = _mm512_mul_ps(acc[l + g][c], _mm512_set1_ps(rescale_of[l + g]));
+          for (int64_t i = 0; i < pairs; ++i)
+#pragma GCC unroll 16
+            for (int g = 0; g < kTogether; ++g) {
+              const __m512bh w = broadcast_pair(&weights[i][l + g]);
+#pragma GCC unroll 16
+              for (int c = 0; c < C; ++c) sums[g][c] = _mm512_dpbf16_ps(sums[g][c], (__m512bh)values[i][c], w);
+            }
+          for (int g = 0; g < kTogether; ++g)
+            for (int c = 0; c < C; ++c) acc[l + g][c] = sums[g][c];
+        }
+      }
+      const auto total_of = bit_cast<std::array<float, kLanes>>(total);
+      for (int64_t l = 0; l < tile.count; ++l) store_pair_order<D>(acc[l], 1.f / total_of[l], out + query_offset(l));
+    }
+  });
+}
+#endif
+
 // Calls kernel<D>() for the head size D the tensors have, one of those compiled.
 template <typename Kernel>
 void dispatch_head_dim(int64_t head_dim, Kernel&& kernel) {
@@ -435,6 +693,13 @@ torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, tor
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_decode", [&] {
     dispatch_head_dim(q.size(2), [&]<int D>() {
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kDotBf16<D>) {
+        return decode_bf16<D>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                              tables.data_ptr<int>(), lens.data_ptr<int>(), out.data_ptr<scalar_t>(), s,
+                              static_cast<float>(scale));
+      }
+#endif
       decode<scalar_t, D>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                           tables.data_ptr<int>(), lens.data_ptr<int>(), out.data_ptr<scalar_t>(), s,
                           static_cast<float>(scale));
@@ -468,6 +733,13 @@ torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, tor
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_varlen", [&] {
     dispatch_head_dim(q.size(2), [&]<int D>() {
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kDotBf16<D>) {
+        return varlen_bf16<D>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                              tables.data_ptr<int>(), cu_data, len_data, out.data_ptr<scalar_t>(), s,
+                              static_cast<float>(scale));
+      }
+#endif
       varlen<scalar_t, D>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                           tables.data_ptr<int>(), cu_data, len_data, out.data_ptr<scalar_t>(), s,
                           static_cast<float>(scale));
