@@ -28,20 +28,25 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     in_features=st.integers(1, 100),
     with_bias=st.booleans(),
     leading=st.sampled_from([(), (2,)]),
+    unrounded=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_matches_float32_products_rounded_once(rows, out_features, in_features, with_bias, leading, seed):
+def test_matches_float32_products_rounded_once_or_not_at_all(
+    rows, out_features, in_features, with_bias, leading, unrounded, seed
+):
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=g).bfloat16()
     bias = torch.randn(out_features, generator=g).bfloat16() if with_bias else None
     x = torch.randn(*leading, rows, in_features, generator=g).bfloat16()
     packed = bf16_gemm.pack(weight)
     assert packed.shape == (-(-out_features // 16), -(-in_features // 2), 16, 2)
-    out = bf16_gemm.linear(x, packed, bias, out_features)
-    assert out.dtype == torch.bfloat16 and out.shape == (*leading, rows, out_features)
-    # One rounding to bfloat16 (half a unit in the last of its 8 bits) of a float32 sum taken in
-    # another order than the reference's.
-    torch.testing.assert_close(out.float(), reference(x, weight, bias), rtol=2**-8, atol=1e-5 * in_features)
+    dtype = torch.float32 if unrounded else torch.bfloat16
+    out = bf16_gemm.linear(x, packed, bias, out_features, dtype)
+    assert out.dtype == dtype and out.shape == (*leading, rows, out_features)
+    # A float32 sum taken in another order than the reference's, and rounded once to bfloat16
+    # (half a unit in the last of its 8 bits) unless asked for in float32.
+    rtol = 1e-5 if unrounded else 2**-8
+    torch.testing.assert_close(out.float(), reference(x, weight, bias), rtol=rtol, atol=1e-5 * in_features)
 
 
 @needs_gemm
@@ -80,6 +85,8 @@ def test_bad_arguments_raise_value_errors_naming_them():
         bf16_gemm.linear(torch.randn(2, 16), packed, None, 32)
     with pytest.raises(ValueError, match="bias"):
         bf16_gemm.linear(torch.randn(2, 16).bfloat16(), packed, torch.zeros(31).bfloat16(), 32)
+    with pytest.raises(ValueError, match="dtype"):
+        bf16_gemm.linear(torch.randn(2, 16).bfloat16(), packed, None, 32, torch.float16)
 
 
 @needs_gemm

@@ -49,6 +49,22 @@ def test_a_bfloat16_head_breaks_its_rounding_ties_as_float32_would(device, packe
     assert logits[0, 2:].eq(0).all()
 
 
+@pytest.mark.skipif(not bf16_gemm.gemm_available(), reason="this CPU has no AVX-512 BF16")
+def test_through_the_engines_gemm_every_logit_of_a_bfloat16_head_is_float32():
+    """Not only the largest: the GEMM's float32 sums come back unrounded (log-probabilities of
+    every token then match a float32 product of the same 16-bit values)."""
+    torch.manual_seed(0)
+    head = ParallelLMHead(300, 64).to(torch.bfloat16)
+    head.weight.data.normal_()
+    head.prepack()
+    x = torch.randn(6, 64).bfloat16()
+    logits = head(x)
+    assert logits.dtype == torch.float32 and logits.shape == (6, 300)
+    torch.testing.assert_close(logits, x.float() @ head.weight.float().T, rtol=1e-5, atol=1e-5)
+    rounded = torch.nn.functional.linear(x, head.weight).float()
+    assert not torch.equal(logits, rounded), "bfloat16 would round most of 1,800 logits"
+
+
 def test_rmsnorm_with_and_without_residual_matches_hf():
     torch.manual_seed(0)
     x, res = torch.randn(5, 32), torch.randn(5, 32)

@@ -1,4 +1,5 @@
-// y = x W^T (+ bias) for bfloat16 x [M, K] and W [N, K] on a CPU with AVX-512 BF16, any M.
+// y = x W^T (+ bias) for bfloat16 x [M, K] and W [N, K] on a CPU with AVX-512 BF16, any M; y in
+// bfloat16, or in float32 unrounded (an LM head's logits, whose ties bfloat16 would make).
 //
 // Built on first use by bf16_gemm.py (07_engine/vllm_from_scratch/layers), only where the CPU has
 // the vdpbf16ps instruction: one instruction multiplies 16 pairs of bfloat16 by 16 pairs and adds
@@ -41,7 +42,8 @@ struct Problem {
   const uint16_t* x;   // [M, K] bfloat16 bits
   const uint16_t* w;   // packed [N/16][K/2][16][2]
   const float* bias;   // [N] or nullptr
-  uint16_t* y;         // [M, N] bfloat16 bits
+  void* y;             // [M, N] bfloat16 bits, or float32 where y_float32
+  bool y_float32;
   int64_t m, n, k, pairs;
 };
 
@@ -73,9 +75,14 @@ inline void tile(const Problem& p, int64_t row, int64_t block) {
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
     const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + first) : _mm512_setzero_ps();
     for (int r = 0; r < MR; ++r) {
-      // Rounded to nearest even, as torch rounds float32 to bfloat16.
-      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], bias));
-      _mm256_mask_storeu_epi16(p.y + (row + r) * p.n + first, mask, (__m256i)out);
+      const __m512 sum = _mm512_add_ps(acc[r][j], bias);
+      const int64_t at = (row + r) * p.n + first;
+      if (p.y_float32) {
+        _mm512_mask_storeu_ps(static_cast<float*>(p.y) + at, mask, sum);
+      } else {
+        // Rounded to nearest even, as torch rounds float32 to bfloat16.
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.y) + at, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+      }
     }
   }
 }
@@ -142,9 +149,12 @@ torch::Tensor bf16_gemm_pack(torch::Tensor weight) {
   return packed;
 }
 
-// x [..., K] bfloat16 times the packed weight of out_features rows, plus bias [N] if given.
+// x [..., K] bfloat16 times the packed weight of out_features rows, plus bias [N] if given; the
+// result in dtype: bfloat16 (the default) or float32.
 torch::Tensor bf16_gemm_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias,
-                               int64_t out_features) {
+                               int64_t out_features, std::optional<at::ScalarType> dtype) {
+  const at::ScalarType out_dtype = dtype.value_or(at::kBFloat16);
+  TORCH_CHECK_VALUE(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "dtype must be bfloat16 or float32");
   TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
                     "x and the packed weight must be bfloat16 CPU tensors");
   TORCH_CHECK_VALUE(packed.dim() == 4 && packed.size(2) == kBlock && packed.size(3) == 2 && packed.is_contiguous(),
@@ -158,7 +168,7 @@ torch::Tensor bf16_gemm_linear(torch::Tensor x, torch::Tensor packed, std::optio
   rows_of_x = rows_of_x.contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = out_features;
-  auto y = torch::empty(sizes, x.options());
+  auto y = torch::empty(sizes, x.options().dtype(out_dtype));
   torch::Tensor bias_f32;
   if (bias.has_value()) {
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == out_features, "bias must have out_features entries");
@@ -167,7 +177,8 @@ torch::Tensor bf16_gemm_linear(torch::Tensor x, torch::Tensor packed, std::optio
   const Problem p{reinterpret_cast<const uint16_t*>(rows_of_x.data_ptr()),
                   reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                   bias.has_value() ? bias_f32.data_ptr<float>() : nullptr,
-                  reinterpret_cast<uint16_t*>(y.data_ptr()),
+                  y.data_ptr(),
+                  out_dtype == at::kFloat,
                   rows_of_x.size(0),
                   out_features,
                   rows_of_x.size(1),
@@ -181,7 +192,7 @@ torch::Tensor bf16_gemm_linear(torch::Tensor x, torch::Tensor packed, std::optio
 }
 
 TORCH_LIBRARY(vllm_fs_gemm, m) {
-  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features, ScalarType? dtype=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_fs_gemm, CPU, m) { m.impl("linear", &bf16_gemm_linear); }

@@ -49,8 +49,14 @@ def _load() -> ModuleType:
     return module
 
 
-def _linear_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], out_features))
+def _linear_fake(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features), dtype=dtype or x.dtype)
 
 
 @functools.cache
@@ -75,7 +81,16 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return _load().pack(weight.detach())
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for bfloat16 ``x`` (``[..., in]``) and ``packed = pack(weight)``,
-    ``out_features`` being ``weight``'s row count."""
-    return torch.ops.vllm_fs_gemm.linear(x, packed, bias, out_features)
+    ``out_features`` being ``weight``'s row count. ``dtype=torch.float32`` returns the float32 sums
+    unrounded; the default rounds them to bfloat16."""
+    if dtype not in (None, torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
+    return torch.ops.vllm_fs_gemm.linear(x, packed, bias, out_features, dtype)

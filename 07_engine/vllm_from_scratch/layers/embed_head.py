@@ -77,9 +77,10 @@ class ParallelLMHead(PrepackableWeight, VocabParallelWeight):
     A 16-bit head rounds its output: logits of about 25 come in steps of 0.125, so two tokens whose
     float32 logits are 0.03 apart can come out equal, and argmax then takes the lower id (the
     default model's bfloat16 answer to "What is the capital of France?" turned on such a tie).
-    An unsplit head therefore recomputes each row's :data:`REFINED_LOGITS` largest logits in
-    float32 from the same 16-bit inputs, as a GEMM accumulates them before rounding, and returns
-    float32 logits.
+    An unsplit head therefore returns float32 logits: all of them as the engine's CPU GEMM sums
+    them, unrounded, where it runs (:meth:`matmul_unrounded`); elsewhere each row's
+    :data:`REFINED_LOGITS` largest recomputed in float32 from the same 16-bit inputs, as a GEMM
+    accumulates them before rounding.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, **tp: Unpack[TPArgs]):
@@ -88,6 +89,8 @@ class ParallelLMHead(PrepackableWeight, VocabParallelWeight):
         super().__init__(num_embeddings, embedding_dim, **tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.tp_size == 1 and (unrounded := self.matmul_unrounded(x)) is not None:
+            return unrounded[..., : self.num_embeddings]
         logits = gather_to_first_rank(self.matmul(x), self.tp_rank, self.tp_size, group=self.tp_group)
         if logits is None:
             return None

@@ -152,6 +152,13 @@ class PrepackableWeight:
             return bf16_gemm.linear(x, self.gemm_weight, bias, self.weight.shape[0])
         return linear(x, self.weight, bias, self.packed_weight, self.packed_weight_fp32)
 
+    def matmul_unrounded(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x @ weight.T`` as float32 sums of the 16-bit products, never rounded to 16 bits, where
+        the engine's GEMM runs for ``x``; None elsewhere (oneDNN and CUDA round to ``x``'s dtype)."""
+        if self.gemm_weight is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return bf16_gemm.linear(x, self.gemm_weight, None, self.weight.shape[0], torch.float32)
+        return None
+
 
 @runtime_checkable
 class Prepackable(Protocol):
