@@ -293,6 +293,30 @@ inline Vec exp_lanes(Vec x) {
 
 inline Vec max_lanes(Vec a, Vec b) { return a > b ? a : b; }
 
+// Where lane's query (and its output) lies in q: the tile's queries run over the group's heads
+// of consecutive rows of its sequence.
+inline int64_t query_offset(const Tile& tile, int64_t lane, int64_t kv_head, const int* cu_seqlens_q,
+                            const Shape& s, int64_t head_dim) {
+  const int64_t group = s.num_q_heads / s.num_kv_heads;
+  const int64_t query = tile.first_query + lane;
+  const int64_t token = cu_seqlens_q[tile.seq] + query / group;
+  return (token * s.num_q_heads + kv_head * group + query % group) * head_dim;
+}
+
+// One run of keys start .. start + n of the online softmax: each lane's scores of keys past its
+// last_key masked, its running maximum raised to theirs; returns the factor by which the lane's
+// earlier weights (total and sums) shrink under the new maximum.
+inline Vec mask_and_raise_max(Vec* scores, int64_t n, int64_t start, Vec last_key, Vec& max_score, float masked) {
+  Vec new_max = max_score;
+  for (int64_t j = 0; j < n; ++j) {
+    scores[j] = static_cast<float>(start + j) <= last_key ? scores[j] : Vec{} + masked;
+    new_max = max_lanes(new_max, scores[j]);
+  }
+  const Vec rescale = exp_lanes(max_score - new_max);
+  max_score = new_max;
+  return rescale;
+}
+
 template <typename T, int D>
 void varlen(const T* q, const T* k_cache, const T* v_cache, const int* block_tables, const int* cu_seqlens_q,
             const int* seq_lens_k, T* out, const Shape& s, float scale) {
@@ -315,16 +339,11 @@ void varlen(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
       const int64_t q_len = cu_seqlens_q[tile.seq + 1] - cu_seqlens_q[tile.seq];
       const int64_t context = seq_lens_k[tile.seq] - q_len;
       const int* table = block_tables + tile.seq * s.max_blocks;
-      auto query_offset = [&](int64_t lane) {  // where lane's query (and its output) lies in q
-        const int64_t query = tile.first_query + lane;
-        const int64_t token = cu_seqlens_q[tile.seq] + query / group;
-        return (token * s.num_q_heads + kv_head * group + query % group) * D;
-      };
       // Lane i sees the keys at positions <= last_key[i]; unused lanes see none and are not stored.
       float last_key_of[kLanes];
       for (int l = 0; l < kLanes; ++l) {
         Vec row[C] = {};
-        if (l < tile.count) load_row<D>(q + query_offset(l), row);
+        if (l < tile.count) load_row<D>(q + query_offset(tile, l, kv_head, cu_seqlens_q, s, D), row);
         const auto elements = bit_cast<std::array<float, D>>(row);  // load_row's order, as the keys'
         for (int d = 0; d < D; ++d) queries[d][l] = elements[d] * scale;
         last_key_of[l] = l < tile.count ? static_cast<float>(context + (tile.first_query + l) / group) : -1.f;
@@ -359,13 +378,7 @@ void varlen(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
           }
           for (int k = 0; k < 4; ++k) scores[j + k] = even[k] + odd[k];
         }
-        Vec new_max = max_score;
-        for (int64_t j = 0; j < n; ++j) {
-          scores[j] = static_cast<float>(start + j) <= last_key ? scores[j] : Vec{} + kMasked;
-          new_max = max_lanes(new_max, scores[j]);
-        }
-        const Vec rescale = exp_lanes(max_score - new_max);
-        max_score = new_max;
+        const Vec rescale = mask_and_raise_max(scores, n, start, last_key, max_score, kMasked);
         total *= rescale;
         for (int64_t j = 0; j < n; ++j) {
           const Vec p = exp_lanes(scores[j] - max_score);
@@ -396,7 +409,7 @@ void varlen(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
         }
       }
       const auto total_of = bit_cast<std::array<float, kLanes>>(total);
-      for (int64_t l = 0; l < tile.count; ++l) store_row<D>(acc[l], 1.f / total_of[l], out + query_offset(l));
+      for (int64_t l = 0; l < tile.count; ++l) store_row<D>(acc[l], 1.f / total_of[l], out + query_offset(tile, l, kv_head, cu_seqlens_q, s, D));
     }
   });
 }
@@ -562,15 +575,10 @@ void varlen_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
       const int64_t q_len = cu_seqlens_q[tile.seq + 1] - cu_seqlens_q[tile.seq];
       const int64_t context = seq_lens_k[tile.seq] - q_len;
       const int* table = block_tables + tile.seq * s.max_blocks;
-      auto query_offset = [&](int64_t lane) {
-        const int64_t query = tile.first_query + lane;
-        const int64_t token = cu_seqlens_q[tile.seq] + query / group;
-        return (token * s.num_q_heads + kv_head * group + query % group) * D;
-      };
       float last_key_of[kLanes];
       for (int l = 0; l < kLanes; ++l) {
         uint32_t words[D / 2] = {};
-        if (l < tile.count) std::memcpy(words, q + query_offset(l), sizeof(words));
+        if (l < tile.count) std::memcpy(words, q + query_offset(tile, l, kv_head, cu_seqlens_q, s, D), sizeof(words));
         for (int p = 0; p < D / 2; ++p) queries[p][l] = words[p];
         last_key_of[l] = l < tile.count ? static_cast<float>(context + (tile.first_query + l) / group) : -1.f;
         for (int c = 0; c < C; ++c) acc[l][c] = _mm512_setzero_ps();
@@ -604,13 +612,7 @@ void varlen_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
           }
           for (int k = 0; k < 4; ++k) scores[j + k] = bit_cast<Vec>(_mm512_add_ps(even[k], odd[k])) * scale;
         }
-        Vec new_max = max_score;
-        for (int64_t j = 0; j < n; ++j) {
-          scores[j] = static_cast<float>(start + j) <= last_key ? scores[j] : Vec{} + kMasked;
-          new_max = max_lanes(new_max, scores[j]);
-        }
-        const Vec rescale = exp_lanes(max_score - new_max);
-        max_score = new_max;
+        const Vec rescale = mask_and_raise_max(scores, n, start, last_key, max_score, kMasked);
         total *= rescale;
         Vec p[kLanes];
         for (int64_t j = 0; j < kLanes; ++j) {
@@ -640,7 +642,7 @@ void varlen_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
         }
       }
       const auto total_of = bit_cast<std::array<float, kLanes>>(total);
-      for (int64_t l = 0; l < tile.count; ++l) store_pair_order<D>(acc[l], 1.f / total_of[l], out + query_offset(l));
+      for (int64_t l = 0; l < tile.count; ++l) store_pair_order<D>(acc[l], 1.f / total_of[l], out + query_offset(tile, l, kv_head, cu_seqlens_q, s, D));
     }
   });
 }

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 import test_server_protocol
 from test_server_protocol import ERROR_TOKEN, MODEL, ScriptedEngine
 from vllm_from_scratch.api_server import build_app
-from vllm_from_scratch.config import SERVING_CPU_TOKEN_BUDGET, EngineConfig, ServingLimits
+from vllm_from_scratch.config import SERVING_CPU_PROMPT_CHUNK, SERVING_CPU_TOKEN_BUDGET, EngineConfig, ServingLimits
 from vllm_from_scratch.serving import OpenAIServing
 
 HI = [{"role": "user", "content": "hi"}]
@@ -84,12 +84,18 @@ def test_a_request_that_could_hold_too_much_kv_cache_is_refused_naming_n_or_max_
 
 
 def test_the_server_on_a_cpu_takes_prompts_in_small_chunks(tiny_llama_dir):
-    # A step carrying a prompt chunk holds up every decoding stream on a CPU, so the server's
-    # default budget is small; offline work keeps vLLM's 2048, and a given budget is kept.
-    assert EngineConfig(tiny_llama_dir, device="cpu", serving=True).max_num_batched_tokens == SERVING_CPU_TOKEN_BUDGET
-    assert EngineConfig(tiny_llama_dir, device="cpu").max_num_batched_tokens == 2048
-    config = EngineConfig(tiny_llama_dir, device="cpu", serving=True, max_num_batched_tokens=512)
-    assert config.max_num_batched_tokens == 512
+    # A step carrying a prompt chunk holds up every decoding stream on a CPU, so one prompt takes
+    # a small chunk of the server's default budget; offline work keeps vLLM's 2048 and no cap,
+    # and a given budget or cap is kept.
+    served = EngineConfig(tiny_llama_dir, device="cpu", serving=True)
+    assert served.max_num_batched_tokens == SERVING_CPU_TOKEN_BUDGET
+    assert served.long_prefill_token_threshold == SERVING_CPU_PROMPT_CHUNK < SERVING_CPU_TOKEN_BUDGET
+    offline = EngineConfig(tiny_llama_dir, device="cpu")
+    assert (offline.max_num_batched_tokens, offline.long_prefill_token_threshold) == (2048, None)
+    config = EngineConfig(tiny_llama_dir, device="cpu", serving=True, max_num_batched_tokens=1024)
+    assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (1024, None)
+    config = EngineConfig(tiny_llama_dir, device="cpu", serving=True, long_prefill_token_threshold=64)
+    assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (SERVING_CPU_TOKEN_BUDGET, 64)
 
 
 def test_the_limits_are_flags_of_the_server():

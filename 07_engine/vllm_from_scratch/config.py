@@ -25,14 +25,16 @@ from vllm_from_scratch.vllm_env import check_environment, cpu_kvcache_space_gib
 log = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
-# The server's token budget on a CPU. On the book's 2-core CPU a step carrying a prompt chunk
-# costs about 0.6 ms a token plus its attention over the context (0.45 s per thousand queries
-# over a thousand keys), and a prompt that scores its logprobs 0.7 ms a token more: at the
+# The server's token budget on a CPU, and the most tokens one prompt may take of it in a step.
+# On the book's 2-core CPU a step carrying a prompt chunk costs about 0.6 ms a token plus its
+# attention over the context, and a prompt that scores its logprobs 0.7 ms a token more: at the
 # 4,000th token of such a prompt, beside 16 decoding requests, a step took 0.35 s with 128-token
-# chunks, 0.97 s with 256 and 1.45 s with 384. On the serving benchmark 128 keeps the throughput
-# of 2048, halves the mean time to first token and cuts the p99 gap between tokens by 3-4x
-# (07_engine/topics/sharing.md).
-SERVING_CPU_TOKEN_BUDGET = 128
+# chunks, 0.97 s with 256 and 1.45 s with 384, so one prompt takes at most 128 a step. Several
+# prompts share the 512, so that a burst's last prompt waits for fewer, larger steps: on vLLM's
+# serving benchmark the p99 time to first token was 2.84 s against 3.35 with a budget of 128 in
+# all, and vLLM's CPU server's 3.10 (07_engine/topics/sharing.md).
+SERVING_CPU_TOKEN_BUDGET = 512
+SERVING_CPU_PROMPT_CHUNK = 128
 SPEC_METHODS = ("ngram", "draft_model")
 # vLLM's -O levels: 0 runs op by op; 1-3 compile (on a GPU: capture CUDA graphs).
 OPTIMIZATION_LEVELS = (0, 1, 2, 3)
@@ -301,9 +303,9 @@ class EngineConfig:
         "None: max_num_seqs, so that a request's completions fit in one batch"
     )
     max_num_batched_tokens: int = setting(
-        "token budget of one step (vLLM's sizes: 2k, 2K); None: 2048 with chunked prefill (128 for the "
-        "server on a CPU: a step with a prompt chunk then stays well under a second on 2 cores), else "
-        "max(max_model_len, 8192)",
+        "token budget of one step (vLLM's sizes: 2k, 2K); None: 2048 with chunked prefill (512 for the "
+        "server on a CPU, each prompt at most 128 of it: a step with a prompt chunk then stays well under "
+        "a second on 2 cores), else max(max_model_len, 8192)",
         parse=human_readable_int,
     )
     max_model_len: int = setting(
@@ -328,7 +330,8 @@ class EngineConfig:
     enable_prefix_caching: bool = setting("share KV blocks of equal prefixes (chapter 03)", True)
     enable_chunked_prefill: bool = setting("split long prompts into chunks beside decodes (chapter 06)", True)
     long_prefill_token_threshold: int | None = setting(
-        "most tokens of one prompt per step (chapter 06); None: only the budget limits it"
+        "most tokens of one prompt per step (chapter 06); None: only the budget limits it (128 for the "
+        "server on a CPU when the budget is its default)"
     )
     scheduling_policy: str = setting(
         "'fcfs', or 'priority': lower `priority` values first (chapter 04)", "fcfs", choices=SCHEDULING_POLICIES
@@ -433,6 +436,8 @@ class EngineConfig:
                 self.max_num_batched_tokens = max(self.max_model_len, 8192)
             elif self.serving and self.torch_device.type == "cpu":
                 self.max_num_batched_tokens = SERVING_CPU_TOKEN_BUDGET
+                if self.long_prefill_token_threshold is None:
+                    self.long_prefill_token_threshold = SERVING_CPU_PROMPT_CHUNK
             else:
                 self.max_num_batched_tokens = 2048
         elif not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
