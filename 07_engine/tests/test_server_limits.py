@@ -11,6 +11,8 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import test_server_protocol
 from test_server_protocol import ERROR_TOKEN, MODEL, ScriptedEngine
@@ -96,6 +98,35 @@ def test_the_server_on_a_cpu_takes_prompts_in_small_chunks(tiny_llama_dir):
     assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (1024, None)
     config = EngineConfig(tiny_llama_dir, device="cpu", serving=True, long_prefill_token_threshold=64)
     assert (config.max_num_batched_tokens, config.long_prefill_token_threshold) == (SERVING_CPU_TOKEN_BUDGET, 64)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    serving=st.booleans(),
+    chunked=st.booleans(),
+    budget=st.one_of(st.none(), st.integers(4096, 16384)),
+    threshold=st.one_of(st.none(), st.integers(1, 4096)),
+)
+def test_the_per_prompt_cap_fills_in_only_for_the_servers_own_budget(
+    tiny_llama_dir, serving, chunked, budget, threshold
+):
+    """Over every combination: the cap of 128 a prompt comes only with the CPU server's default
+    budget (chunked prefill on, no budget and no cap given); anything given is kept."""
+    config = EngineConfig(
+        tiny_llama_dir,
+        device="cpu",
+        serving=serving,
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=budget,
+        long_prefill_token_threshold=threshold,
+    )
+    server_default = serving and chunked and budget is None
+    expected_threshold = SERVING_CPU_PROMPT_CHUNK if server_default and threshold is None else threshold
+    assert config.long_prefill_token_threshold == expected_threshold
+    if budget is not None:
+        assert config.max_num_batched_tokens == budget
+    elif server_default:
+        assert config.max_num_batched_tokens == SERVING_CPU_TOKEN_BUDGET
 
 
 def test_the_limits_are_flags_of_the_server():
