@@ -147,16 +147,20 @@ class PrepackableWeight:
                 self.packed_weight_fp32 = pack_weight(self.weight.float())
         return self.packed_weight is not None
 
+    def _gemm_weight_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The weight packed for the engine's GEMM where its product with ``x`` goes through it."""
+        return self.gemm_weight if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.gemm_weight is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            return bf16_gemm.linear(x, self.gemm_weight, bias, self.weight.shape[0])
+        if (packed := self._gemm_weight_for(x)) is not None:
+            return bf16_gemm.linear(x, packed, bias, self.weight.shape[0])
         return linear(x, self.weight, bias, self.packed_weight, self.packed_weight_fp32)
 
     def matmul_unrounded(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x @ weight.T`` as float32 sums of the 16-bit products, never rounded to 16 bits, where
         the engine's GEMM runs for ``x``; None elsewhere (oneDNN and CUDA round to ``x``'s dtype)."""
-        if self.gemm_weight is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            return bf16_gemm.linear(x, self.gemm_weight, None, self.weight.shape[0], torch.float32)
+        if (packed := self._gemm_weight_for(x)) is not None:
+            return bf16_gemm.linear(x, packed, None, self.weight.shape[0], torch.float32)
         return None
 
 
