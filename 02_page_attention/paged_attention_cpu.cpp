@@ -194,6 +194,50 @@ struct Shape {
   int64_t num_seqs, num_q_heads, num_kv_heads, block_size, max_blocks, max_len;
 };
 
+// A decode work item is one query head; the group of query heads that share a KV head are
+// consecutive items, and only the group's first reads that head's keys and values from memory,
+// the others finding them in L2 and leaving the memory idle. So each item of a group prefetches a
+// share of the *next* group's keys and values into L2 (the next KV head this thread attends), a
+// few tokens with each run of its own keys, and the next group's first item finds them there: 32
+// sequences of 256 tokens 0.49 -> 0.36 ms a layer in bfloat16, 1.04 -> 0.70 in float32.
+struct NextHead {
+  const int* table = nullptr;  // the next group's sequence's block table; nullptr: no next group
+  int64_t kv_head = 0;
+  int64_t token = 0, end = 0;  // the item's share still to prefetch: tokens [token, end)
+  int64_t per_run = 0;         // tokens prefetched with each run of the item's own keys
+};
+
+// The item's share of the next group, if the thread's items [.., end) reach that group; the item
+// has len keys and goes through them run_keys at a time.
+inline NextHead next_head(int64_t item, int64_t end, int64_t group, int64_t len, int64_t run_keys,
+                          const int* block_tables, const int* context_lens, const Shape& s) {
+  const int64_t next = (item / group + 1) * group;  // the next group's first item
+  if (next >= end) return {};
+  const int64_t seq = next / s.num_q_heads, next_len = context_lens[seq], share = item % group;
+  const int64_t from = share * next_len / group, to = (share + 1) * next_len / group;
+  const int64_t runs = (len + run_keys - 1) / run_keys;
+  return {block_tables + seq * s.max_blocks, next % s.num_q_heads / group, from, to, (to - from + runs - 1) / runs};
+}
+
+// The next per_run tokens of the share, keys and values, into L2. Always inlined: GCC finds a
+// function of nothing but prefetches free of effects, and drops its calls.
+template <int D, typename T>
+[[gnu::always_inline]] inline void prefetch_run(NextHead& next, const T* k_cache, const T* v_cache, const Shape& s) {
+  const int64_t token_stride = s.num_kv_heads * D;
+  const int64_t last = std::min(next.end, next.token + next.per_run);
+  while (next.token < last) {
+    const int64_t b = next.token / s.block_size, in_block = next.token - b * s.block_size;
+    const int64_t count = std::min(last - next.token, s.block_size - in_block);
+    const int64_t row = (next.table[b] * s.block_size + in_block) * token_stride + next.kv_head * D;
+    for (int64_t j = 0; j < count; ++j)
+      for (int64_t i = 0; i < D; i += 64 / sizeof(T)) {  // 64-byte lines, into L2 (locality 2)
+        __builtin_prefetch(k_cache + row + j * token_stride + i, 0, 2);
+        __builtin_prefetch(v_cache + row + j * token_stride + i, 0, 2);
+      }
+    next.token += count;
+  }
+}
+
 template <typename T, int D>
 void decode(const T* q, const T* k_cache, const T* v_cache, const int* block_tables, const int* context_lens,
             T* out, const Shape& s, float scale) {
@@ -209,6 +253,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
       const int64_t kv_head = item % s.num_q_heads / group;
       const int64_t len = context_lens[seq];
       const int* table = block_tables + seq * s.max_blocks;
+      NextHead next = next_head(item, end, group, len, s.block_size, block_tables, context_lens, s);
       Vec query[C], acc[C] = {};
       load_row<D>(q + item * D, query);
       for (int c = 0; c < C; ++c) query[c] *= scale;
@@ -219,6 +264,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
         const int64_t n = std::min(s.block_size, len - start);
         if (start + s.block_size < len)
           prefetch_rows<D>(k_cache + table[b + 1] * block_stride + kv_head * D, s.block_size, token_stride);
+        if (next.table) prefetch_run<D>(next, k_cache, v_cache, s);
         for (int64_t j = 0; j < n; j += kLanes) {
           const Vec dots =
               score_keys<D>(query, keys + j * token_stride, token_stride, std::min<int64_t>(kLanes, n - j));
@@ -496,6 +542,7 @@ void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
       // A sequence's nine heads share their tokens' places; they are found once per KV head.
       if (item == begin || item % group == 0)
         token_offsets(block_tables + seq * s.max_blocks, len, kv_head, D, s, offsets.data());
+      NextHead next = next_head(item, end, group, len, kLanes, block_tables, context_lens, s);
       __m512bh query[W];
       for (int w = 0; w < W; ++w) query[w] = (__m512bh)_mm512_loadu_si512(q + item * D + 32 * w);
 
@@ -504,6 +551,7 @@ void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
         const int64_t n = std::min<int64_t>(kLanes, len - t);
         for (int64_t j = t + kLanes; j < std::min(len, t + 2 * kLanes); ++j)
           prefetch_rows<D>(k_cache + offsets[j], 1, 0);
+        if (next.table) prefetch_run<D>(next, k_cache, v_cache, s);
         Vec part[kLanes];
         for (int j = 0; j < kLanes; ++j) {
           if (j >= n) {
