@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from vllm_from_scratch.sampler import Sampler, apply_top_k_top_p, exponential_noise
+from vllm_from_scratch.sampler import ARGMAX_CHUNK, Sampler, apply_top_k_top_p, argmax_by_chunks, exponential_noise
 
 V = 8
 
@@ -153,3 +155,31 @@ def test_compute_probs_is_one_hot_for_greedy_rows():
     probs = Sampler.compute_probs(logits, torch.tensor([0.0, 1.0]))
     assert probs[0].max() == 1.0 and probs[0].argmax() == logits[0].argmax()
     torch.testing.assert_close(probs[1], logits[1].softmax(-1))
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(
+    rows=st.integers(0, 5),
+    vocab=st.integers(1, 3 * ARGMAX_CHUNK + 40),
+    levels=st.integers(1, 6),
+    infinities=st.sampled_from(["none", "-inf", "+inf", "both"]),
+    seed=st.integers(0, 2**16),
+)
+def test_argmax_by_chunks_is_torchs_argmax_ties_and_infinities_included(rows, vocab, levels, infinities, seed):
+    """Drawn from a few levels, so ties inside a chunk, across chunks and with the tail are
+    common; the first of them must win, as in torch's argmax."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (rows, vocab), generator=g).float()
+    if infinities != "none":
+        where = torch.rand(rows, vocab, generator=g) < 0.05
+        logits[where] = float("-inf") if infinities == "-inf" else float("inf")
+        if infinities == "both":
+            logits[torch.rand(rows, vocab, generator=g) < 0.02] = float("-inf")
+    assert torch.equal(argmax_by_chunks(logits), logits.argmax(dim=-1))
+
+
+def test_argmax_by_chunks_gives_a_row_with_a_nan_an_index_in_the_vocabulary():
+    logits = torch.zeros(2, 2 * ARGMAX_CHUNK + 3)
+    logits[0, ARGMAX_CHUNK + 7] = float("nan")
+    logits[1, -1] = float("nan")
+    assert ((0 <= argmax_by_chunks(logits)) & (argmax_by_chunks(logits) < logits.shape[1])).all()

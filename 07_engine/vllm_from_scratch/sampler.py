@@ -50,6 +50,35 @@ def resolve_infinite_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return logits, has_token
 
 
+ARGMAX_CHUNK = 256  # entries per chunk of argmax_by_chunks
+
+
+def argmax_by_chunks(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for ``logits [B, V]``, the first of tied maxima as there, in
+    about a tenth of its time on a CPU (32 rows of 49,152 float32: 1.33 -> 0.12 ms).
+
+    torch's CPU argmax carries an index through a scalar loop, while ``amax`` is vectorized. So
+    ``amax`` finds each chunk's largest value, a small argmax the first chunk holding the row's
+    largest, and an argmax inside that chunk its first position; entries past the last whole
+    chunk are compared on their own, and win only when strictly larger. A row holding a NaN gets
+    some index in ``[0, V)`` (the sampler gives such a row no token anyway).
+    """
+    rows, vocab = logits.shape
+    whole = vocab // ARGMAX_CHUNK * ARGMAX_CHUNK
+    if whole == 0 or logits.device.type != "cpu":  # a GPU's argmax is a parallel reduction already
+        return logits.argmax(dim=-1)
+    chunks = logits[:, :whole].reshape(rows, whole // ARGMAX_CHUNK, ARGMAX_CHUNK)
+    chunk_max = chunks.amax(dim=-1)
+    best_chunk = chunk_max.argmax(dim=-1)
+    picked = chunks[torch.arange(rows, device=logits.device), best_chunk]
+    best = best_chunk * ARGMAX_CHUNK + picked.argmax(dim=-1)
+    if whole == vocab:
+        return best
+    tail = logits[:, whole:]
+    best_max = chunk_max.gather(1, best_chunk.unsqueeze(1)).squeeze(1)
+    return torch.where(tail.amax(dim=-1) > best_max, whole + tail.argmax(dim=-1), best)
+
+
 def keep_in_vocabulary(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``token_ids`` with every id outside ``[0, vocab_size)`` replaced by :data:`NO_TOKEN`.
 
@@ -551,7 +580,7 @@ class Sampler:
             scaled = apply_top_k_top_p(scaled, top_ks, top_ps)
         probs = scaled.softmax(dim=-1)
         if bool(greedy.any()):
-            one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+            one_hot = torch.zeros_like(probs).scatter_(-1, argmax_by_chunks(logits).unsqueeze(1), 1.0)
             probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
         return probs
 
@@ -583,10 +612,10 @@ class Sampler:
         logits, has_token = resolve_infinite_logits(logits)
         greedy = temperatures < 1e-5
         if bool(greedy.all()):
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax_by_chunks(logits)
         else:
             probs = Sampler.compute_probs(logits, temperatures, top_ks, top_ps)
             sampled = Sampler.sample_from_probs(probs, generators)
             if bool(greedy.any()):
-                sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
+                sampled = torch.where(greedy, argmax_by_chunks(logits), sampled)
         return sampled.masked_fill_(~has_token, NO_TOKEN)
