@@ -183,9 +183,10 @@ inline Vec score_keys(const Vec (&query)[D / kLanes], const T* keys, int64_t str
 }
 
 // A block table scatters a sequence's blocks, which the hardware prefetcher cannot follow: the
-// next block's rows are requested while this one is computed.
+// next block's rows are requested while this one is computed. Always inlined, for the reason
+// prefetch_run below gives.
 template <int D, typename T>
-inline void prefetch_rows(const T* rows, int64_t count, int64_t stride) {
+[[gnu::always_inline]] inline void prefetch_rows(const T* rows, int64_t count, int64_t stride) {
   for (int64_t j = 0; j < count; ++j)
     for (int i = 0; i < D; i += 64 / sizeof(T)) __builtin_prefetch(rows + j * stride + i);  // 64-byte lines
 }
@@ -329,6 +330,21 @@ inline std::vector<Tile> sorted_tiles(const int* cu_seqlens_q, const int* seq_le
   return tiles;
 }
 
+// Work item `item` of the varlen kernels: its tile, the KV head it attends with, the sequence's
+// tokens before its new ones, and the sequence's block table.
+struct TileItem {
+  const Tile& tile;
+  int64_t kv_head, context;
+  const int* table;
+};
+
+inline TileItem tile_item(int64_t item, const std::vector<Tile>& tiles, const int* cu_seqlens_q,
+                          const int* seq_lens_k, const int* block_tables, const Shape& s) {
+  const Tile& tile = tiles[item / s.num_kv_heads];
+  const int64_t q_len = cu_seqlens_q[tile.seq + 1] - cu_seqlens_q[tile.seq];
+  return {tile, item % s.num_kv_heads, seq_lens_k[tile.seq] - q_len, block_tables + tile.seq * s.max_blocks};
+}
+
 // e^x lane by lane, in a loop the compiler turns into one call of the vector math library.
 inline Vec exp_lanes(Vec x) {
   auto lanes = bit_cast<std::array<float, kLanes>>(x);
@@ -380,11 +396,7 @@ void varlen(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
     alignas(64) float weights[kLanes][kLanes];  // softmax weight of key j for lane i
     Vec values[kLanes][C], acc[kLanes][C];
     for (int64_t item; (item = next_item.fetch_add(1)) < num_items;) {
-      const Tile& tile = tiles[item / s.num_kv_heads];
-      const int64_t kv_head = item % s.num_kv_heads;
-      const int64_t q_len = cu_seqlens_q[tile.seq + 1] - cu_seqlens_q[tile.seq];
-      const int64_t context = seq_lens_k[tile.seq] - q_len;
-      const int* table = block_tables + tile.seq * s.max_blocks;
+      const auto [tile, kv_head, context, table] = tile_item(item, tiles, cu_seqlens_q, seq_lens_k, block_tables, s);
       // Lane i sees the keys at positions <= last_key[i]; unused lanes see none and are not stored.
       float last_key_of[kLanes];
       for (int l = 0; l < kLanes; ++l) {
@@ -618,11 +630,7 @@ void varlen_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
     __m512 acc[kLanes][C];
     int64_t offsets[kLanes];
     for (int64_t item; (item = next_item.fetch_add(1)) < num_items;) {
-      const Tile& tile = tiles[item / s.num_kv_heads];
-      const int64_t kv_head = item % s.num_kv_heads;
-      const int64_t q_len = cu_seqlens_q[tile.seq + 1] - cu_seqlens_q[tile.seq];
-      const int64_t context = seq_lens_k[tile.seq] - q_len;
-      const int* table = block_tables + tile.seq * s.max_blocks;
+      const auto [tile, kv_head, context, table] = tile_item(item, tiles, cu_seqlens_q, seq_lens_k, block_tables, s);
       float last_key_of[kLanes];
       for (int l = 0; l < kLanes; ++l) {
         uint32_t words[D / 2] = {};
