@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from vllm_from_scratch.sampler import ARGMAX_CHUNK, Sampler, apply_top_k_top_p, argmax_by_chunks, exponential_noise
@@ -158,6 +158,8 @@ def test_compute_probs_is_one_hot_for_greedy_rows():
 
 
 @settings(max_examples=80, deadline=None, derandomize=True)
+@example(rows=3, vocab=2 * ARGMAX_CHUNK, levels=2, infinities="none", seed=0)  # whole chunks, no tail
+@example(rows=3, vocab=ARGMAX_CHUNK - 1, levels=2, infinities="none", seed=0)  # no whole chunk
 @given(
     rows=st.integers(0, 5),
     vocab=st.integers(1, 3 * ARGMAX_CHUNK + 40),
