@@ -191,6 +191,22 @@ template <int D, typename T>
     for (int i = 0; i < D; i += 64 / sizeof(T)) __builtin_prefetch(rows + j * stride + i);  // 64-byte lines
 }
 
+// scores[0 .. len) replaced by e^(score - their maximum), whose sum it returns. The maximum is
+// written as a comparison because GCC leaves a loop of std::max scalar; it starts finite because
+// -ffast-math assumes no infinities.
+inline float softmax_in_place(float* scores, int64_t len) {
+  float max_score = std::numeric_limits<float>::lowest();
+#pragma omp simd reduction(max : max_score)
+  for (int64_t t = 0; t < len; ++t) max_score = scores[t] > max_score ? scores[t] : max_score;
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < len; ++t) {
+    scores[t] = std::exp(scores[t] - max_score);
+    total += scores[t];
+  }
+  return total;
+}
+
 struct Shape {
   int64_t num_seqs, num_q_heads, num_kv_heads, block_size, max_blocks, max_len;
 };
@@ -272,17 +288,8 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
           std::memcpy(scores + start + j, &dots, sizeof(dots));
         }
       }
-      // Their maximum, written as a comparison because GCC leaves a loop of std::max scalar.
-      float max_score = std::numeric_limits<float>::lowest();  // finite: -ffast-math assumes no infinities
-#pragma omp simd reduction(max : max_score)
-      for (int64_t t = 0; t < len; ++t) max_score = scores[t] > max_score ? scores[t] : max_score;
       // Softmax weights, unnormalized (divided once at the end).
-      float total = 0.f;
-#pragma omp simd reduction(+ : total)
-      for (int64_t t = 0; t < len; ++t) {
-        scores[t] = std::exp(scores[t] - max_score);
-        total += scores[t];
-      }
+      const float total = softmax_in_place(scores, len);
       // Weighted sum of the values.
       for (int64_t start = 0, b = 0; start < len; start += s.block_size, ++b) {
         const T* values = v_cache + table[b] * block_stride + kv_head * D;
@@ -579,15 +586,7 @@ void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
         const Vec dots = sum_lanes(part) * scale;
         std::memcpy(scores.data() + t, &dots, sizeof(dots));
       }
-      float max_score = std::numeric_limits<float>::lowest();
-#pragma omp simd reduction(max : max_score)
-      for (int64_t t = 0; t < len; ++t) max_score = scores[t] > max_score ? scores[t] : max_score;
-      float total = 0.f;
-#pragma omp simd reduction(+ : total)
-      for (int64_t t = 0; t < len; ++t) {
-        scores[t] = std::exp(scores[t] - max_score);
-        total += scores[t];
-      }
+      const float total = softmax_in_place(scores.data(), len);
       scores[len] = 0.f;
 
       // Values two at a time, each pair against its two weights.
