@@ -19,6 +19,12 @@ p99, with the machine and the load average around each measured run (``--quiet-b
 a quiet machine first, as bench.py does), and each server's output tok/s as a fraction of the
 workload's floor, measured first in the same run (``floors.py``).
 
+One measured run of this load moves by about 7 % from run to run on a shared 2-core VM (225,
+238 and 207 tok/s from one server build within minutes): too much to judge a 1.5x target by.
+``--rounds N`` measures each server N times, each round on new prompts (seeds ``seed``, then
+``seed + 2`` on: every server gets the same ones, and none has them in its prefix cache), and
+the table gives each server's median round, with every round's tok/s under it.
+
 ``--max-num-batched-tokens N ...`` runs our server once per token budget, the prompt tokens a
 step may carry beside the decodes: a larger one prefills a burst of prompts in fewer steps (the
 last prompt's first token comes sooner) and holds every decoder longer in each of them. With
@@ -135,22 +141,44 @@ def run_client(python: Path, flags: list[str]) -> None:
         raise RuntimeError(f"vllm bench serve exited with {done.returncode} (its output is above)")
 
 
+def round_seeds(seed: int, rounds: int) -> list[int]:
+    """The prompt seeds of ``rounds`` measured runs: ``seed``, then ``seed + 2`` on, skipping the
+    warm-up's ``seed + 1`` (prompts a server has seen would come from its prefix cache)."""
+    return [seed] + [seed + 1 + i for i in range(1, rounds)]
+
+
+def median_round(reports: list[dict]) -> dict:
+    """The round of median output tok/s (the lower middle one of an even count), with every
+    round's tok/s in order under ``round_throughputs``."""
+    if not reports:
+        raise ValueError("reports must hold at least one round")
+    ranked = sorted(reports, key=lambda r: r["output_throughput"])
+    median = dict(ranked[(len(ranked) - 1) // 2])
+    median["round_throughputs"] = [round(r["output_throughput"], 1) for r in reports]
+    return median
+
+
 def measure(
     server: ServerProcess, python: Path, model_dir: str, args: argparse.Namespace, watch: LoadWatch, tmp: Path, tag: str
 ) -> dict:
-    """Warm ``server`` up on other prompts, wait for quiet, run the measured load; vLLM's result."""
+    """Warm ``server`` up on other prompts, then run the measured load ``args.rounds`` times, each
+    after waiting for quiet; vLLM's result of the median round (:func:`median_round`)."""
+    reports = []
     with server:
         name = served_model(server.url)
         print(f"\n== {tag}: warm-up ({args.warmup_prompts} prompts, seed {args.seed + 1})", flush=True)
         run_client(python, client_flags(server.url, name, model_dir, args, args.seed + 1, args.warmup_prompts, None))
-        result = tmp / f"{tag.replace(' ', '_')}.json"
-        print(f"\n== {tag}: measured run ({args.num_prompts} prompts, seed {args.seed})", flush=True)
-        watch.before()
-        run_client(python, client_flags(server.url, name, model_dir, args, args.seed, args.num_prompts, result))
-        watch.after()
-    report = json.loads(result.read_text())
-    report["load"] = watch.records[-1]
-    return report
+        for i, seed in enumerate(round_seeds(args.seed, args.rounds)):
+            result = tmp / f"{tag.replace(' ', '_')}_{i}.json"
+            runs = f"measured run {i + 1}/{args.rounds}"
+            print(f"\n== {tag}: {runs} ({args.num_prompts} prompts, seed {seed})", flush=True)
+            watch.before()
+            run_client(python, client_flags(server.url, name, model_dir, args, seed, args.num_prompts, result))
+            watch.after()
+            report = json.loads(result.read_text())
+            report["load"] = watch.records[-1]
+            reports.append(report)
+    return median_round(reports)
 
 
 def print_table(results: dict[str, dict], floor: float | None = None) -> None:
@@ -170,6 +198,10 @@ def print_table(results: dict[str, dict], floor: float | None = None) -> None:
         )
     if any(r["load"].get("quiet") is False for r in results.values()):
         print("* the machine never got quiet before the wait ran out; measured anyway")
+    for name, r in results.items():
+        if len(r.get("round_throughputs", [])) > 1:
+            runs = ", ".join(f"{t:.1f}" for t in r["round_throughputs"])
+            print(f"{name}: the median of {len(r['round_throughputs'])} rounds (output tok/s {runs})")
 
 
 def our_label(budget: int | None) -> str:
@@ -209,6 +241,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-prompts", type=int, default=16, help="warm-up prompts (seed + 1)")
     parser.add_argument("--seed", type=int, default=0, help="the measured run's seed")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measured runs per server, each on new prompts; the table gives the median one",
+    )
+    parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
         nargs="+",
@@ -233,6 +271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     add_quiet_arg(parser)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     check_quiet(args.refuse_busy)
     return args
 
@@ -286,7 +326,16 @@ def main(argv: list[str] | None = None) -> dict:
         "vllm_python": str(python),
         "workload": {
             k: getattr(args, k)
-            for k in ("input_len", "output_len", "num_prompts", "max_concurrency", "warmup_prompts", "seed", "dtype")
+            for k in (
+                "input_len",
+                "output_len",
+                "num_prompts",
+                "max_concurrency",
+                "warmup_prompts",
+                "seed",
+                "rounds",
+                "dtype",
+            )
         },
         "floors": {**floors.as_json(), "workload_floor_tokens_per_s": round(floor_tps, 1)},
         "results": results,

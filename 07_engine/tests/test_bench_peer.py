@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import bench
 import floors
@@ -208,6 +210,68 @@ def test_bench_serving_sweeps_our_token_budget_and_judges_the_first():
     assert check["throughput_ratio"] == 2.0 and check["p99_ttft_ms"] == [3000.0, 2000.0]
     assert not check["p99_ttft_no_worse"]
     assert bench_serving.verdict({labels[1]: run, labels[2]: run}) == {}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10_000), rounds=st.integers(1, 9))
+def test_bench_serving_rounds_draw_new_prompts_never_the_warm_ups(seed, rounds):
+    import bench_serving
+
+    seeds = bench_serving.round_seeds(seed, rounds)
+    assert len(seeds) == len(set(seeds)) == rounds and seeds[0] == seed
+    assert seed + 1 not in seeds  # the warm-up's prompts sit in the prefix cache
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(st.lists(st.floats(1.0, 1000.0, allow_nan=False), min_size=1, max_size=9))
+def test_bench_serving_reports_the_median_round_with_every_rounds_rate(rates):
+    import bench_serving
+
+    reports = [{"output_throughput": t, "round": i} for i, t in enumerate(rates)]
+    median = bench_serving.median_round(reports)
+    below = sum(t < median["output_throughput"] for t in rates)
+    above = sum(t > median["output_throughput"] for t in rates)
+    assert below <= (len(rates) - 1) // 2 and above <= len(rates) // 2  # the lower middle of the ranks
+    assert reports[median["round"]]["output_throughput"] == median["output_throughput"]
+    assert median["round_throughputs"] == [round(t, 1) for t in rates]
+    assert "round_throughputs" not in reports[median["round"]]  # the caller's reports are left alone
+
+
+def test_bench_serving_measures_every_round_against_one_warm_server(monkeypatch, tmp_path, capsys):
+    import bench_serving
+
+    calls = []
+
+    def fake_client(python, flags):
+        seed = int(flags[flags.index("--seed") + 1])
+        calls.append((seed, int(flags[flags.index("--num-prompts") + 1])))
+        if "--save-result" in flags:
+            result = Path(flags[flags.index("--result-dir") + 1]) / flags[flags.index("--result-filename") + 1]
+            figures = {key: 1.0 for _, key in bench_serving.METRICS}
+            result.write_text(json.dumps({**figures, "output_throughput": {0: 210.0, 2: 230.0, 3: 190.0}[seed]}))
+
+    class FakeServer:
+        url = "http://fake"
+
+        def __enter__(self):
+            calls.append("up")
+            return self
+
+        def __exit__(self, *exc):
+            calls.append("down")
+
+    monkeypatch.setattr(bench_serving, "run_client", fake_client)
+    monkeypatch.setattr(bench_serving, "served_model", lambda url: "m")
+    args = bench_serving.parse_args(["--rounds", "3", "--ours-only"])
+    watch = bench.LoadWatch()
+    report = bench_serving.measure(FakeServer(), Path("py"), "model", args, watch, tmp_path, "our server")
+    assert calls == ["up", (1, 16), (0, 64), (2, 64), (3, 64), "down"]  # warm-up first, one server start
+    assert report["output_throughput"] == 210.0 and report["round_throughputs"] == [210.0, 230.0, 190.0]
+    assert report["load"] is watch.records[0] and len(watch.records) == 3
+    bench_serving.print_table({"our server": report})
+    assert "our server: the median of 3 rounds (output tok/s 210.0, 230.0, 190.0)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args(["--rounds", "0"])
 
 
 # ---- bench.py --gpu beside nano-vllm: the runner's wiring, with a stand-in for nano-vllm's source
