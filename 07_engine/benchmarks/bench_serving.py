@@ -144,7 +144,7 @@ def run_client(python: Path, flags: list[str]) -> None:
 def round_seeds(seed: int, rounds: int) -> list[int]:
     """The prompt seeds of ``rounds`` measured runs: ``seed``, then ``seed + 2`` on, skipping the
     warm-up's ``seed + 1`` (prompts a server has seen would come from its prefix cache)."""
-    return [seed] + [seed + 1 + i for i in range(1, rounds)]
+    return [seed, *range(seed + 2, seed + rounds + 1)]
 
 
 def median_round(reports: list[dict]) -> dict:

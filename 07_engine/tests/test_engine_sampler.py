@@ -180,6 +180,19 @@ def test_argmax_by_chunks_is_torchs_argmax_ties_and_infinities_included(rows, vo
     assert torch.equal(argmax_by_chunks(logits), logits.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_argmax_by_chunks_on_the_device_is_torchs_argmax(device):
+    """The path the sampler takes on the engine's own device (a GPU keeps torch's argmax): ties
+    across chunks, a winner in the tail, and one inside a middle chunk."""
+    logits = torch.zeros(3, 2 * ARGMAX_CHUNK + 5, device=device)
+    logits[0, [3, ARGMAX_CHUNK + 3]] = 2.0  # a tie across chunks: the first wins
+    logits[1, -2] = 1.0  # only the tail holds the maximum
+    logits[2, ARGMAX_CHUNK + 17] = 5.0
+    picked = argmax_by_chunks(logits)
+    assert picked.device == logits.device and torch.equal(picked, logits.argmax(dim=-1))
+    assert picked.tolist() == [3, 2 * ARGMAX_CHUNK + 3, ARGMAX_CHUNK + 17]
+
+
 def test_argmax_by_chunks_gives_a_row_with_a_nan_an_index_in_the_vocabulary():
     logits = torch.zeros(2, 2 * ARGMAX_CHUNK + 3)
     logits[0, ARGMAX_CHUNK + 7] = float("nan")
