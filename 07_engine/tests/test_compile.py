@@ -2,10 +2,11 @@
 
 The greedy-parity matrix of test_engine_parity.py (every engine feature, against transformers'
 ``generate``; eager there, as in every other test) runs again with ``enforce_eager=False``, on
-the tiny Llama and Qwen3 checkpoints, and both forward graphs (small and large batches) must have
-served forwards; the third, the LM head of a few rows, equals the model's own. A second engine for
-the same checkpoint loads the cached graphs without compiling. Each checkpoint compiles once per
-session (about a minute per graph on a 2-core CPU), into a temporary cache directory.
+the tiny Llama and Qwen3 checkpoints, and the small and large batches' forward graphs must have
+served forwards (in float32 with AVX2, a medium one between them too); the graph of the LM head
+of a few rows equals the model's own. A second engine for the same checkpoint loads the cached
+graphs without compiling. Each checkpoint compiles once per session (about a minute per graph
+on a 2-core CPU), into a temporary cache directory.
 
 In bfloat16 no engine is token-identical to transformers, eager or compiled: logits of about 20
 carry steps of 0.125, so where the two best tokens are that close, summation order picks one.
@@ -21,6 +22,8 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 import test_engine_parity
@@ -29,7 +32,7 @@ from test_engine_parity import BLOCK, FEATURES, GREEDY, hf_greedy, make_prompts
 from vllm_from_scratch import LLM, SamplingParams, compilation, default_model_dir
 from vllm_from_scratch.compilation import SMALL_BATCH_TOKENS, CompiledForward, compile_key
 from vllm_from_scratch.config import EngineConfig
-from vllm_from_scratch.layers import bf16_gemm
+from vllm_from_scratch.layers import bf16_gemm, f32_gemm
 from vllm_from_scratch.layers.prepacked import PrepackableWeight
 from vllm_from_scratch.loader import resolve_dtype
 
@@ -148,11 +151,55 @@ def test_only_the_large_graph_calls_the_engines_gemm(tiny_llama_dir):
             program = torch.export.export(compilation._ForwardWithCache(runner.model), example, strict=False)
         return sum("vllm_fs_gemm.linear" in str(node.target) for node in program.graph.nodes)
 
-    with compilation._inductor_matmuls(runner.model):
+    with compilation._inductor_matmuls(runner.model, "small"):
         assert all(m.gemm_weight is None for m in layers)
         assert gemm_calls() == 0
     assert all(m.gemm_weight is p for m, p in zip(layers, packed))
     assert gemm_calls() == 4 * runner.model.config.num_hidden_layers  # QKV, O, gate-up, down
+
+
+@pytest.mark.skipif(not f32_gemm.gemm_available(), reason="this CPU has no AVX2 and FMA")
+def test_in_float32_only_the_medium_graph_calls_the_engines_gemm(tiny_llama_dir):
+    """In float32 every linear of the medium graph (5 to f32_gemm.MAX_ROWS tokens) is one call of
+    the engine's float32 GEMM; the small graph traces inductor's template and the large one
+    oneDNN's GEMM, and both leave the packed weights as they found them."""
+    config = EngineConfig(tiny_llama_dir, device="cpu", dtype="float32")
+    assert compilation.graph_names(config) == ["small", "medium", "large", "logits"]
+    llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", enforce_eager=True)
+    runner = llm.llm_engine.executor.runner
+    layers = [m for m in runner.model.modules() if isinstance(m, PrepackableWeight)]
+    packed = [m.gemm_weight for m in layers]
+    assert all(p is not None and p.dtype == torch.float32 for p in packed)
+    example = compilation._example_inputs(8, runner.kv_cache, BLOCK)
+
+    def gemm_calls(name: str) -> int:
+        with compilation._inductor_matmuls(runner.model, name), torch.inference_mode():
+            program = torch.export.export(compilation._ForwardWithCache(runner.model), example, strict=False)
+        return sum("vllm_fs_f32_gemm.linear" in str(node.target) for node in program.graph.nodes)
+
+    assert gemm_calls("small") == gemm_calls("large") == 0
+    assert all(m.gemm_weight is p for m, p in zip(layers, packed))
+    assert gemm_calls("medium") == 4 * runner.model.config.num_hidden_layers
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(tokens=st.integers(1, 4 * f32_gemm.MAX_ROWS), medium=st.booleans())
+def test_a_batch_runs_the_first_graph_whose_range_holds_its_tokens(tokens, medium):
+    names = ["small", "medium", "large", "logits"] if medium else ["small", "large", "logits"]
+    ran: list[str] = []
+    graphs = {name: (lambda *args, name=name: ran.append(name)) for name in names}
+
+    class Metadata:
+        def tensors(self) -> tuple[torch.Tensor, ...]:
+            return ()
+
+    CompiledForward(graphs).run(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens), Metadata(), torch.zeros(1))
+    if tokens <= SMALL_BATCH_TOKENS:
+        assert ran == ["small"]
+    elif medium and tokens <= f32_gemm.MAX_ROWS:
+        assert ran == ["medium"]
+    else:
+        assert ran == ["large"]
 
 
 def test_a_cpu_compiles_unless_eager_is_enforced_or_the_model_is_split(tiny_llama_dir):

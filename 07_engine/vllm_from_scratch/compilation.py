@@ -17,8 +17,10 @@ change to the model's code:
   inductor's own GEMM kernels (``max_autotune`` with its C++ template), which read a weight
   about twice as fast as oneDNN when a matmul has a row or two; larger ones keep oneDNN's packed
   GEMMs, which the template falls far behind from about eight rows, or the engine's GEMM, faster
-  than both there. A third graph is the LM head alone for the same few rows (the sampled rows of
-  a small decode), with the template.
+  than both there. A float32 model on a CPU with AVX2 and FMA has a third graph between them, for
+  5 to ``f32_gemm.MAX_ROWS`` tokens (a decode step of up to 64 requests), through the engine's
+  float32 GEMM, faster there than both (:func:`graph_names`). One more graph is the LM head alone
+  for the same few rows as the first (the sampled rows of a small decode), with the template.
 * A package is written once under ``$XDG_CACHE_HOME/vllm_from_scratch/compiled/`` (normally
   ``~/.cache``) in a directory named by everything the compiled code depends on
   (:func:`compile_key`); a later process loads it in a fraction of a second.
@@ -53,10 +55,11 @@ from tqdm.auto import tqdm
 
 import attention_backends
 from attention_backends import AttentionMetadata
+from block_manager import cdiv
 from chunked_prefill import SchedulerInfo, build_batch_inputs
 from cpp_kernel import cpu_fingerprint
 from paged_attention_cpu import cpu_kernel_available
-from vllm_from_scratch.layers import bf16_gemm
+from vllm_from_scratch.layers import bf16_gemm, f32_gemm
 from vllm_from_scratch.layers.prepacked import PrepackableWeight
 
 if TYPE_CHECKING:
@@ -69,9 +72,11 @@ log = logging.getLogger(__name__)
 # Batches of at most this many tokens run the graph with inductor's GEMM template, larger ones the
 # graph with oneDNN's (see the module docstring).
 SMALL_BATCH_TOKENS = 4
-# The inductor settings of each graph, on top of weight freezing.
+# The inductor settings of each graph, on top of weight freezing; "medium" only where
+# graph_names says.
 GRAPHS: dict[str, dict[str, object]] = {
     "small": {"max_autotune": True, "max_autotune_gemm_backends": "CPP"},
+    "medium": {},
     "large": {},
     "logits": {"max_autotune": True, "max_autotune_gemm_backends": "CPP"},
 }
@@ -88,6 +93,22 @@ _SOURCES = [
     *sorted(Path(__file__).parent.glob("models/*.py")),
     *sorted(Path(__file__).parent.glob("layers/*.py")),
 ]
+
+
+def graph_names(config: EngineConfig) -> list[str]:
+    """The graphs this configuration compiles and runs: all of :data:`GRAPHS`, or all but
+    ``"medium"`` unless the model is float32 and the engine's float32 GEMM runs here."""
+    medium = config.torch_dtype == torch.float32 and f32_gemm.gemm_available()
+    return [name for name in GRAPHS if medium or name != "medium"]
+
+
+def _token_range(name: str, names: list[str]) -> tuple[int, int | None]:
+    """The fewest and most tokens (None: no bound) of a forward through graph ``name``."""
+    if name == "small":
+        return 1, SMALL_BATCH_TOKENS
+    if name == "medium":
+        return SMALL_BATCH_TOKENS + 1, f32_gemm.MAX_ROWS
+    return (f32_gemm.MAX_ROWS if "medium" in names else SMALL_BATCH_TOKENS) + 1, None
 
 
 def cache_root() -> Path:
@@ -115,7 +136,8 @@ def compile_key(config: EngineConfig) -> str:
         f"source sha256:{source}\n"
         f"model {model_dir} sha256:{checkpoint.hexdigest()}\n"
         f"dtype {config.torch_dtype} block_size {config.kvcache_block_size} attention {config.attention_backend}"
-        f" cpp_kernels {cpu_kernel_available()} bf16_gemm {bf16_gemm.gemm_available()}\n"
+        f" cpp_kernels {cpu_kernel_available()} bf16_gemm {bf16_gemm.gemm_available()}"
+        f" f32_gemm {f32_gemm.gemm_available()}\n"
         f"threads {torch.get_num_threads()}\n"
         f"torch {torch.__version__}\n"
         f"python {sys.implementation.cache_tag} {platform.python_version()}\n"
@@ -159,13 +181,16 @@ class _Logits(nn.Module):
 
 
 def _example_inputs(num_tokens: int, kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, ...]:
-    """A two-request batch of ``num_tokens`` tokens over a 7-block cache shaped like ``kv_cache``:
-    every symbolic size distinct from the others (the tracer must not assume two of them equal)."""
+    """A two-request batch of ``num_tokens`` tokens over a cache shaped like ``kv_cache``, a few
+    blocks larger than the first request's table: every symbolic size distinct from the others
+    (the tracer must not assume two of them equal)."""
     info = SchedulerInfo()
-    info.add_row("a", [0] * (num_tokens - 1), 4 * block_size, list(range(5)), samples=True)
-    info.add_row("b", [0], 0, [5], samples=True)
+    width = cdiv(4 * block_size + num_tokens - 1, block_size)  # blocks of the first request
+    info.add_row("a", [0] * (num_tokens - 1), 4 * block_size, list(range(width)), samples=True)
+    info.add_row("b", [0], 0, [width], samples=True)
     batch = build_batch_inputs(info, block_size, kv_cache.device)
-    cache = kv_cache.new_zeros(kv_cache.shape[:2] + (7,) + kv_cache.shape[3:])
+    num_blocks = width + 2 if width + 2 != num_tokens else width + 3
+    cache = kv_cache.new_zeros(kv_cache.shape[:2] + (num_blocks,) + kv_cache.shape[3:])
     return (
         batch.input_ids,
         batch.positions,
@@ -175,10 +200,17 @@ def _example_inputs(num_tokens: int, kv_cache: torch.Tensor, block_size: int) ->
 
 
 @contextlib.contextmanager
-def _inductor_matmuls(model: nn.Module) -> Iterator[None]:
-    """Within: the model's linear layers trace as ``F.linear``, their weights packed for the
-    engine's GEMM set aside (and put back after)."""
-    layers = [m for m in model.modules() if isinstance(m, PrepackableWeight) and m.gemm_weight is not None]
+def _inductor_matmuls(model: nn.Module, name: str) -> Iterator[None]:
+    """Within: the linear layers that graph ``name`` leaves to inductor trace as ``F.linear``,
+    their weights packed for the engine's GEMM set aside (and put back after): all of them in the
+    template's graphs, the float32 ones in the large graph (oneDNN's)."""
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, PrepackableWeight)
+        and m.gemm_weight is not None
+        and (name in TEMPLATE_GRAPHS or (name == "large" and m.gemm_weight.dtype == torch.float32))
+    ]
     kept = [m.gemm_weight for m in layers]
     for m in layers:
         m.gemm_weight = None
@@ -191,7 +223,7 @@ def _inductor_matmuls(model: nn.Module) -> Iterator[None]:
 
 def _compile_graph(model: nn.Module, kv_cache: torch.Tensor, config: EngineConfig, name: str, path: Path) -> None:
     """Export graph ``name`` (the forward for its token range, or the LM head) and compile it into ``path``."""
-    with _inductor_matmuls(model) if name in TEMPLATE_GRAPHS else contextlib.nullcontext():
+    with _inductor_matmuls(model, name):
         _export_and_package(model, kv_cache, config, name, path)
 
 
@@ -203,11 +235,8 @@ def _export_and_package(model: nn.Module, kv_cache: torch.Tensor, config: Engine
             program = torch.export.export(_Logits(model), (hidden,), dynamic_shapes=({0: rows},), strict=False)
             _package(program, name, path)
         return
-    tokens = (
-        torch.export.Dim("tokens", min=1, max=SMALL_BATCH_TOKENS)
-        if name == "small"
-        else torch.export.Dim("tokens", min=SMALL_BATCH_TOKENS + 1)
-    )
+    fewest, most = _token_range(name, graph_names(config))
+    tokens = torch.export.Dim("tokens", min=fewest, max=most) if most else torch.export.Dim("tokens", min=fewest)
     seqs, width, blocks = torch.export.Dim("seqs", min=1), torch.export.Dim("width"), torch.export.Dim("blocks")
     dynamic_shapes = (
         {0: tokens},
@@ -218,7 +247,8 @@ def _export_and_package(model: nn.Module, kv_cache: torch.Tensor, config: Engine
         {0: seqs, 1: width},
         {2: blocks},
     )
-    num_tokens = SMALL_BATCH_TOKENS if name == "small" else 2 * SMALL_BATCH_TOKENS
+    # The example's token count is also the row count oneDNN packs the large graph's weights for.
+    num_tokens = SMALL_BATCH_TOKENS if name == "small" else 2 * (fewest - 1)
     example = _example_inputs(num_tokens, kv_cache, config.kvcache_block_size)
     with torch.inference_mode():
         program = torch.export.export(_ForwardWithCache(model), example, dynamic_shapes=dynamic_shapes, strict=False)
@@ -237,7 +267,7 @@ def _compile_graphs(model: nn.Module, kv_cache: torch.Tensor, config: EngineConf
     directory.mkdir(parents=True, exist_ok=True)
     log.info("compiling the forward into %s (once per model, dtype, thread count and CPU)", directory)
     desc = "compiling the forward, once (enforce_eager=True skips it)"
-    for name in tqdm(GRAPHS, desc=desc, unit="graph", dynamic_ncols=True):
+    for name in tqdm(graph_names(config), desc=desc, unit="graph", dynamic_ncols=True):
         start = time.perf_counter()
         _compile_graph(model, kv_cache, config, name, directory / f"{name}.pt2")
         log.info("compiled the %s graph in %.1f s", name, time.perf_counter() - start)
@@ -271,6 +301,9 @@ class CompiledForward:
 
     def __init__(self, graphs: dict[str, AOTICompiledModel]):
         self.graphs = graphs
+        # The last token count of each forward graph, in order: a batch runs the first that holds it.
+        names = list(graphs)
+        self.ranges = [(_token_range(name, names)[1], name) for name in names if name != "logits"]
 
     @classmethod
     def load_or_compile(cls, config: EngineConfig, model: nn.Module, kv_cache: torch.Tensor) -> CompiledForward | None:
@@ -293,7 +326,7 @@ class CompiledForward:
             partial.write_text(key)
             os.replace(partial, stamp)
         start = time.perf_counter()
-        graphs = {name: _load_package(directory / f"{name}.pt2") for name in GRAPHS}
+        graphs = {name: _load_package(directory / f"{name}.pt2") for name in graph_names(config)}
         log.info("loaded the compiled forward from %s in %.1f s", directory, time.perf_counter() - start)
         return cls(graphs)
 
@@ -302,7 +335,8 @@ class CompiledForward:
     ) -> torch.Tensor:
         """Hidden states of every token, as ``model(input_ids, positions, md)`` returns them; the
         batch's K/V is written to ``kv_cache``."""
-        graph = self.graphs["small" if input_ids.shape[0] <= SMALL_BATCH_TOKENS else "large"]
+        tokens = input_ids.shape[0]
+        graph = self.graphs[next(name for most, name in self.ranges if most is None or tokens <= most)]
         return graph(input_ids, positions, *md.tensors(), kv_cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

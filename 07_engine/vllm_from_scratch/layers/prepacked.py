@@ -2,7 +2,9 @@
 
 Where the CPU has AVX-512 BF16, a bfloat16 weight is packed for the engine's own GEMM
 (``bf16_gemm.py``), which reads weights faster than oneDNN at every row count measured, and
-every matmul of that weight takes it. What follows is the path of every other CPU and dtype.
+every matmul of that weight takes it. Where the CPU has AVX2 and FMA, a float32 weight is also
+packed for the engine's float32 GEMM (``f32_gemm.py``), which matmuls of up to
+``f32_gemm.MAX_ROWS`` rows take. What follows is the path of every other matmul.
 
 ``F.linear`` has oneDNN reorder ("pack") the weight into its tiled layout on every call, a large
 share of a decode-sized matmul, so the engine packs once after loading (07_engine/README.md,
@@ -28,7 +30,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from vllm_from_scratch.layers import bf16_gemm
+from vllm_from_scratch.layers import bf16_gemm, f32_gemm
 
 # Rows from which a matmul is compute-bound enough for the float32 copy to win. Measured on the
 # VM above, all linear shapes of SmolLM2-135M plus its LM head, float32 time / bf16 time:
@@ -136,30 +138,45 @@ class PrepackableWeight:
         A bfloat16 CPU weight is packed for the engine's own GEMM where it runs
         (:func:`bf16_gemm.gemm_available`), which every matmul then takes, compiled ones too.
         Otherwise it is packed for oneDNN, with a float32 copy of a bf16 weight when
-        ``float32_copy`` (``None``: where :func:`bf16_matmul_is_slow`)."""
+        ``float32_copy`` (``None``: where :func:`bf16_matmul_is_slow`); a float32 weight is also
+        packed for the engine's float32 GEMM where it runs (:func:`f32_gemm.gemm_available`)."""
         self.gemm_weight = self.packed_weight = self.packed_weight_fp32 = None
-        if self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" and bf16_gemm.gemm_available():
+        on_cpu = self.weight.device.type == "cpu"
+        if self.weight.dtype == torch.bfloat16 and on_cpu and bf16_gemm.gemm_available():
             self.gemm_weight = bf16_gemm.pack(self.weight)
             return True
         self.packed_weight = pack_weight(self.weight)
         if self.packed_weight is not None and self.weight.dtype == torch.bfloat16:
             if bf16_matmul_is_slow() if float32_copy is None else float32_copy:
                 self.packed_weight_fp32 = pack_weight(self.weight.float())
-        return self.packed_weight is not None
+        if self.weight.dtype == torch.float32 and on_cpu and f32_gemm.gemm_available():
+            self.gemm_weight = f32_gemm.pack(self.weight)
+        return self.packed_weight is not None or self.gemm_weight is not None
 
     def _gemm_weight_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The weight packed for the engine's GEMM where its product with ``x`` goes through it."""
-        return self.gemm_weight if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
+        """The weight packed for the engine's GEMM where its product with ``x`` goes through it:
+        always in bfloat16; in float32 up to ``f32_gemm.MAX_ROWS`` rows (the graph being traced
+        for such rows holds the packed weight, that of more rows has it set aside)."""
+        packed = self.gemm_weight
+        if packed is None or x.dtype != packed.dtype or x.device.type != "cpu":
+            return None
+        many_rows = x.numel() > f32_gemm.MAX_ROWS * x.shape[-1]
+        if x.dtype == torch.float32 and many_rows and not torch.compiler.is_compiling():
+            return None
+        return packed
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if (packed := self._gemm_weight_for(x)) is not None:
+            if x.dtype == torch.float32:
+                return f32_gemm.linear(x, packed, bias, self.weight.shape[0])
             return bf16_gemm.linear(x, packed, bias, self.weight.shape[0])
         return linear(x, self.weight, bias, self.packed_weight, self.packed_weight_fp32)
 
     def matmul_unrounded(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x @ weight.T`` as float32 sums of the 16-bit products, never rounded to 16 bits, where
-        the engine's GEMM runs for ``x``; None elsewhere (oneDNN and CUDA round to ``x``'s dtype)."""
-        if (packed := self._gemm_weight_for(x)) is not None:
+        the engine's bfloat16 GEMM runs for ``x``; None elsewhere (oneDNN and CUDA round to
+        ``x``'s dtype, and a float32 product has nothing to round)."""
+        if x.dtype == torch.bfloat16 and (packed := self._gemm_weight_for(x)) is not None:
             return bf16_gemm.linear(x, packed, None, self.weight.shape[0], torch.float32)
         return None
 

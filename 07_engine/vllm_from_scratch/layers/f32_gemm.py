@@ -1,0 +1,78 @@
+"""The engine's float32 matmul for the few rows of a decode step on CPUs with AVX2 and FMA
+(``f32_gemm.cpp``): every linear layer of up to :data:`MAX_ROWS` rows, eager, and in the compiled
+graph of that many tokens.
+
+A float32 model runs where the CPU has no bfloat16 arithmetic (an AVX2 laptop, a Zen 3 server).
+There oneDNN's packed float32 GEMM, the engine's path for a prompt, reads a weight at about half
+the memory's speed for a few rows, and the graph of one to four tokens has inductor's own template
+(``compilation.py``), which falls behind from about eight. The kernel here packs each weight once
+into the layout its FMAs read and keeps 12 independent sums in registers. All the default model's
+weights at 16 rows: 61 ms against oneDNN's 109, at 32 rows 93 against 150; from about 64 rows
+oneDNN is as fast and above it faster (07_engine/topics/performance.md).
+
+It is a torch operator, ``torch.ops.vllm_fs_f32_gemm.linear``, with a fake implementation, so the
+compiled graph of :data:`MAX_ROWS` tokens or fewer traces through it. Products are float32 sums in
+another order than oneDNN's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from cpp_kernel import CppKernel, cpu_flags
+
+KERNEL = CppKernel("vllm_fs_f32_gemm", Path(__file__).resolve().with_suffix(".cpp"))
+# Rows up to which the kernel is faster than oneDNN's packed GEMM (all the default model's
+# weights, 2 threads, a 2-core Zen 3: 181 against 176 ms at 64 rows, 354 against 327 at 128).
+MAX_ROWS = 64
+log = logging.getLogger(__name__)
+
+
+def cpu_has_avx2_fma() -> bool:
+    """Whether this CPU has the AVX2 and FMA instructions the kernel is made of."""
+    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= cpu_flags()
+
+
+@functools.cache
+def _load() -> ModuleType:
+    module = KERNEL.load()
+    torch.library.register_fake("vllm_fs_f32_gemm::linear")(_linear_fake)
+    return module
+
+
+def _linear_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+@functools.cache
+def gemm_available() -> bool:
+    """Whether the kernel runs here: the CPU has AVX2 and FMA and the build succeeds (False, with
+    one warning, where it fails)."""
+    if not cpu_has_avx2_fma():
+        return False
+    try:
+        _load()
+    except Exception as exc:  # noqa: BLE001 - any build failure means "keep oneDNN"
+        log.warning("f32_gemm.cpp could not be built (%s); the linear layers keep oneDNN", exc)
+        return False
+    return True
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (``[out, in]`` float32 on the CPU) in the kernel's layout: ``[ceil(out/8), in,
+    8]``, zeros past ``out``. Needs :func:`gemm_available`."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"weight must be a 2-D float32 CPU tensor, got {weight.dtype} {tuple(weight.shape)}")
+    return _load().pack(weight.detach())
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for float32 ``x`` (``[..., in]``) and ``packed = pack(weight)``,
+    ``out_features`` being ``weight``'s row count."""
+    return torch.ops.vllm_fs_f32_gemm.linear(x, packed, bias, out_features)
