@@ -9,8 +9,10 @@ build for its fingerprint imports the shared object directly, in milliseconds, w
 tool. Only when no build matches is it compiled, by ``cpp_extension.load`` in a child process
 (a C++ compiler is needed; ``setup.sh`` does this once so that nothing waits later).
 
-Chapter 02's attention kernels (``paged_attention_cpu.py``) are built this way, and so is the
-engine's bfloat16 GEMM (``07_engine/vllm_from_scratch/layers/bf16_gemm.py``).
+Chapter 02's attention kernels (``paged_attention_cpu.py``) are built this way, and so are the
+engine's bfloat16 and float32 GEMMs (``07_engine/vllm_from_scratch/layers/bf16_gemm.py``,
+``f32_gemm.py``). Each module asks :meth:`CppKernel.loads` whether its kernel runs here, and
+takes its slower path, with one warning, where the build fails.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -168,6 +171,20 @@ class CppKernel:
         os.replace(partial, stamp)
         logger.info("compiled %s in %.1f s", self.source.name, time.perf_counter() - start)
         return self.kernel_path(key)
+
+    def loads(self, load: Callable[[], object], fallback: str) -> bool:
+        """Whether ``load`` (the caller's loader: :meth:`load` plus what it registers) succeeds.
+
+        False where the build fails, with one warning that names the source and ``fallback``,
+        what the caller does instead: a machine without a C++ compiler still runs, on the
+        slower path.
+        """
+        try:
+            load()
+        except Exception as exc:  # noqa: BLE001 - any build failure means "take the fallback"
+            logger.warning("%s could not be built (%s); %s", self.source.name, exc, fallback)
+            return False
+        return True
 
     def load(self) -> ModuleType:
         """The extension module: imported from the cache, compiled first if no build matches.

@@ -39,7 +39,6 @@ dispatcher keeps the torch path.
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from pathlib import Path
 
@@ -50,7 +49,6 @@ from paged_attention import _check_paged_args
 
 KERNEL = CppKernel("vllm_fs_paged_attention_cpu", Path(__file__).resolve().parent / "paged_attention_cpu.cpp")
 HEAD_DIMS = (16, 32, 64, 128, 256)
-logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -80,12 +78,7 @@ def cpu_kernel_available() -> bool:
     Choosing the torch path anyway is the caller's decision: ``backend="torch"`` in
     :func:`attention_backends.paged_attention`.
     """
-    try:
-        load_cpu_kernel()
-    except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
-        logger.warning("paged_attention_cpu.cpp could not be built (%s); using the torch path", exc)
-        return False
-    return True
+    return KERNEL.loads(load_cpu_kernel, fallback="using the torch path")
 
 
 def supports(q: torch.Tensor) -> bool:

@@ -7,6 +7,7 @@ a fused QKV output. A kernel compiled once loads from the cache in every later p
 build tool its PATH holds.
 """
 
+import logging
 import os
 import shutil
 import subprocess
@@ -235,6 +236,21 @@ def test_without_a_compiler_the_dispatcher_keeps_the_torch_path(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stderr.count("could not be built") == 1
     assert not list(tmp_path.rglob("build_key.txt")), "a failed build must not look cached"
+
+
+def test_loads_names_the_source_and_the_fallback_when_a_build_fails(caplog):
+    """Every kernel module asks ``CppKernel.loads``: True when its loader succeeds, else False
+    and one warning that says which source failed, why, and what runs instead."""
+
+    def failing_build() -> None:
+        raise RuntimeError("no C++ compiler")
+
+    with caplog.at_level(logging.WARNING):
+        assert not KERNEL.loads(failing_build, fallback="using the torch path")
+        assert KERNEL.loads(lambda: None, fallback="unused")
+    assert [r.getMessage() for r in caplog.records] == [
+        "paged_attention_cpu.cpp could not be built (no C++ compiler); using the torch path"
+    ]
 
 
 def test_the_cache_key_names_everything_the_binary_depends_on(monkeypatch, tmp_path):

@@ -24,7 +24,6 @@ keep oneDNN and inductor.
 from __future__ import annotations
 
 import functools
-import logging
 import platform
 from pathlib import Path
 from types import ModuleType
@@ -34,7 +33,6 @@ import torch
 from cpp_kernel import CppKernel, cpu_flags
 
 KERNEL = CppKernel("vllm_fs_bf16_gemm", Path(__file__).resolve().with_suffix(".cpp"))
-log = logging.getLogger(__name__)
 
 
 def cpu_has_bf16_dot() -> bool:
@@ -65,12 +63,7 @@ def gemm_available() -> bool:
     one warning, where it fails)."""
     if not cpu_has_bf16_dot():
         return False
-    try:
-        _load()
-    except Exception as exc:  # noqa: BLE001 - any build failure means "keep oneDNN"
-        log.warning("bf16_gemm.cpp could not be built (%s); the linear layers keep oneDNN", exc)
-        return False
-    return True
+    return KERNEL.loads(_load, fallback="the linear layers keep oneDNN")
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,6 @@ another order than oneDNN's.
 from __future__ import annotations
 
 import functools
-import logging
 import platform
 from pathlib import Path
 from types import ModuleType
@@ -31,7 +30,6 @@ KERNEL = CppKernel("vllm_fs_f32_gemm", Path(__file__).resolve().with_suffix(".cp
 # Rows up to which the kernel is faster than oneDNN's packed GEMM (all the default model's
 # weights, 2 threads, a 2-core Zen 3: 181 against 176 ms at 64 rows, 354 against 327 at 128).
 MAX_ROWS = 64
-log = logging.getLogger(__name__)
 
 
 def cpu_has_avx2_fma() -> bool:
@@ -56,12 +54,7 @@ def gemm_available() -> bool:
     one warning, where it fails)."""
     if not cpu_has_avx2_fma():
         return False
-    try:
-        _load()
-    except Exception as exc:  # noqa: BLE001 - any build failure means "keep oneDNN"
-        log.warning("f32_gemm.cpp could not be built (%s); the linear layers keep oneDNN", exc)
-        return False
-    return True
+    return KERNEL.loads(_load, fallback="the linear layers keep oneDNN")
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
