@@ -12,7 +12,10 @@ they stream from memory as in a step) through:
 * ``graph small`` and ``graph large``: the linears compiled by inductor with the settings of the
   engine's two graphs (``compilation.GRAPHS``: its own C++ GEMM template, and oneDNN under
   inductor), weights frozen. Without the engine's GEMM, the engine runs the first up to
-  ``SMALL_BATCH_TOKENS`` tokens and the second above;
+  ``SMALL_BATCH_TOKENS`` tokens and the second above; a float32 model where the engine's float32
+  GEMM runs takes it (``layers/f32_gemm.py``, not timed here) in a medium graph up to
+  ``f32_gemm.MAX_ROWS`` tokens and ``packed`` eagerly above. The line before each row count says
+  which (``compilation.graph_for``);
 * ``bf16_gemm``: the engine's own GEMM (``layers/bf16_gemm.py``), which every bfloat16 matmul
   takes, eager and compiled, where the CPU has AVX-512 BF16 (only there is it timed).
 
@@ -41,7 +44,7 @@ from tqdm.auto import tqdm
 from floors import Floors, best_seconds, measure_floors
 from machine import add_quiet_arg, check_quiet, load_average, machine_line
 from vllm_from_scratch import default_model_dir
-from vllm_from_scratch.compilation import GRAPHS, SMALL_BATCH_TOKENS
+from vllm_from_scratch.compilation import GRAPHS, graph_for, graph_names
 from vllm_from_scratch.config import EngineConfig
 from vllm_from_scratch.layers import bf16_gemm
 from vllm_from_scratch.layers.prepacked import PrepackableWeight, linear, pack_weight
@@ -115,17 +118,22 @@ def floor_seconds(floors: Floors, shape: tuple[int, int], count: int, rows: int,
     return max(read, matmul)
 
 
-def print_table(results: list[dict], row_counts: list[int], element_size: int) -> None:
+def print_table(results: list[dict], row_counts: list[int], element_size: int, graphs: list[str]) -> None:
     """One line per weight shape and row count, and a line for all the shapes together: the
-    milliseconds of each path and, in brackets, the floor over that time."""
+    milliseconds of each path and, in brackets, the floor over that time; before each row count,
+    which of ``graphs`` (:func:`compilation.graph_names`) the compiled engine runs it through."""
     methods = list(results[0]["seconds"])
     print(f"ms per pass over the weights of a shape [its floor over that time]; load {load_average()}")
     header = f"{'rows':>4}  {'weight shape':<13} {'count':>5}  {'MB':>6}" + "".join(f"  {m:>17}" for m in methods)
     print(header + "\n" + "-" * len(header))
     for rows in row_counts:
-        graph = "small" if rows <= SMALL_BATCH_TOKENS else "large"
-        through = ", through bf16_gemm" if graph == "large" and "bf16_gemm" in methods else ""
-        print(f"{rows} rows: the compiled engine runs its {graph} graph{through}")
+        graph = graph_for(rows, graphs)
+        if graph is None:
+            print(f"{rows} rows: the compiled engine runs them eagerly, through oneDNN's packed GEMM")
+        else:
+            own_gemm = {"medium": "f32_gemm", "large": "bf16_gemm" if "bf16_gemm" in methods else None}.get(graph)
+            through = f", through {own_gemm}" if own_gemm else ""
+            print(f"{rows} rows: the compiled engine runs its {graph} graph{through}")
         mine = [r for r in results if r["rows"] == rows]
         lines = [
             (
@@ -181,7 +189,8 @@ def main() -> None:
                 results.append(
                     {"shape": list(shape), "count": count, "rows": rows, "floor_s": floor, "seconds": seconds}
                 )
-    print_table(results, args.rows, dtype.itemsize)
+    graphs = graph_names(EngineConfig(model_dir, device="cpu", dtype=args.dtype))
+    print_table(results, args.rows, dtype.itemsize, graphs)
     if args.json:
         Path(args.json).write_text(
             json.dumps({"machine": machine_line(), "floors": floors.as_json(), "results": results}, indent=2)

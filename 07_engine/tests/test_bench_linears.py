@@ -73,8 +73,9 @@ def test_the_table_gives_each_path_as_a_fraction_of_the_floor_and_adds_the_shape
         {"shape": [8, 4], "count": 2, "rows": 1, "floor_s": 0.001, "seconds": seconds},
         {"shape": [16, 4], "count": 1, "rows": 1, "floor_s": 0.003, "seconds": seconds},
     ]
-    print_table(results, [1], element_size=2)
+    print_table(results, [1], element_size=2, graphs=["small", "large", "logits"])
     lines = capsys.readouterr().out.splitlines()
+    assert "1 rows: the compiled engine runs its small graph" in lines
 
     def cells(line: str) -> list[tuple[str, str]]:  # (ms, percent of the floor) per path
         return re.findall(r"([\d.]+) \[\s*(\d+)%\]", line)
@@ -85,3 +86,21 @@ def test_the_table_gives_each_path_as_a_fraction_of_the_floor_and_adds_the_shape
     total = next(line for line in lines if line.split()[1:2] == ["all"])
     assert total.split()[2:4] == ["3", "0.0"]
     assert cells(total) == [("8.00", "50"), ("4.00", "100"), ("2.00", "200"), ("16.00", "25")]
+
+
+def test_the_table_names_the_path_the_compiled_engine_takes_for_each_row_count(capsys):
+    """With a medium graph (a float32 model where the engine's float32 GEMM runs) the engine runs
+    up to f32_gemm.MAX_ROWS rows through it and more rows eagerly; without, the large graph."""
+    seconds = {"packed": 0.001}
+    rows = [1, 8, 64, 65]
+    results = [{"shape": [8, 4], "count": 1, "rows": r, "floor_s": 0.001, "seconds": seconds} for r in rows]
+    print_table(results, rows, element_size=4, graphs=["small", "medium", "logits"])
+    print_table(results, [65], element_size=4, graphs=["small", "large", "logits"])
+    said = [line for line in capsys.readouterr().out.splitlines() if " rows: " in line]
+    assert said == [
+        "1 rows: the compiled engine runs its small graph",
+        "8 rows: the compiled engine runs its medium graph, through f32_gemm",
+        "64 rows: the compiled engine runs its medium graph, through f32_gemm",
+        "65 rows: the compiled engine runs them eagerly, through oneDNN's packed GEMM",
+        "65 rows: the compiled engine runs its large graph",
+    ]

@@ -68,7 +68,26 @@ def test_compiled_greedy_matches_transformers(request, monkeypatch, forward_size
         test_engine_parity, "LLM", lambda *args, **kwargs: LLM(*args, **{**kwargs, "enforce_eager": False})
     )
     test_engine_parity.test_greedy_matches_transformers(model_dir, feature)
-    assert min(forward_sizes) <= SMALL_BATCH_TOKENS < max(forward_sizes), "both graphs should have run"
+    names = compilation.graph_names(EngineConfig(model_dir, device="cpu", dtype="float32"))
+    served = {compilation.graph_for(tokens, names) for tokens in forward_sizes}
+    assert "small" in served and len(served) > 1, f"small and larger batches should have run: {served}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not f32_gemm.gemm_available(), reason="this CPU has no AVX2 and FMA: no medium graph")
+def test_a_float32_batch_above_the_medium_graph_runs_eagerly_with_the_same_tokens(forward_sizes, tiny_llama_dir):
+    """Where float32 has a medium graph it has no large one: a step of more than f32_gemm.MAX_ROWS
+    tokens runs the eager model, and the continuations are still transformers' own."""
+    llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", device="cpu")
+    eager_sizes: list[int] = []
+    llm.llm_engine.executor.runner.model.register_forward_hook(
+        lambda module, args, output: eager_sizes.append(args[0].shape[0])
+    )
+    forward_sizes.clear()  # the warm-up's
+    prompts = make_prompts(5, (30, 41))  # one 71-token prefill step, then decodes of two
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == [hf_greedy(tiny_llama_dir, tuple(p)) for p in prompts]
+    assert eager_sizes == [71] and max(forward_sizes) == 71 and min(forward_sizes) <= SMALL_BATCH_TOKENS
 
 
 @pytest.mark.slow
@@ -161,10 +180,15 @@ def test_only_the_large_graph_calls_the_engines_gemm(tiny_llama_dir):
 @pytest.mark.skipif(not f32_gemm.gemm_available(), reason="this CPU has no AVX2 and FMA")
 def test_in_float32_only_the_medium_graph_calls_the_engines_gemm(tiny_llama_dir):
     """In float32 every linear of the medium graph (5 to f32_gemm.MAX_ROWS tokens) is one call of
-    the engine's float32 GEMM; the small graph traces inductor's template and the large one
-    oneDNN's GEMM, and both leave the packed weights as they found them."""
+    the engine's float32 GEMM, and no large graph is compiled (larger batches run eagerly); the
+    small graph traces inductor's template and leaves the packed weights as it found them."""
     config = EngineConfig(tiny_llama_dir, device="cpu", dtype="float32")
-    assert compilation.graph_names(config) == ["small", "medium", "large", "logits"]
+    assert compilation.graph_names(config) == ["small", "medium", "logits"]
+    assert compilation.graph_names(EngineConfig(tiny_llama_dir, device="cpu", dtype="bfloat16")) == [
+        "small",
+        "large",
+        "logits",
+    ]
     llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", enforce_eager=True)
     runner = llm.llm_engine.executor.runner
     layers = [m for m in runner.model.modules() if isinstance(m, PrepackableWeight)]
@@ -177,7 +201,7 @@ def test_in_float32_only_the_medium_graph_calls_the_engines_gemm(tiny_llama_dir)
             program = torch.export.export(compilation._ForwardWithCache(runner.model), example, strict=False)
         return sum("vllm_fs_f32_gemm.linear" in str(node.target) for node in program.graph.nodes)
 
-    assert gemm_calls("small") == gemm_calls("large") == 0
+    assert gemm_calls("small") == 0
     assert all(m.gemm_weight is p for m, p in zip(layers, packed))
     assert gemm_calls("medium") == 4 * runner.model.config.num_hidden_layers
 
@@ -185,7 +209,9 @@ def test_in_float32_only_the_medium_graph_calls_the_engines_gemm(tiny_llama_dir)
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(tokens=st.integers(1, 4 * f32_gemm.MAX_ROWS), medium=st.booleans())
 def test_a_batch_runs_the_first_graph_whose_range_holds_its_tokens(tokens, medium):
-    names = ["small", "medium", "large", "logits"] if medium else ["small", "large", "logits"]
+    """Small up to SMALL_BATCH_TOKENS; then medium up to f32_gemm.MAX_ROWS where it exists, and
+    nothing above (run returns None: the runner goes eager); else large."""
+    names = ["small", "medium", "logits"] if medium else ["small", "large", "logits"]
     ran: list[str] = []
     graphs = {name: (lambda *args, name=name: ran.append(name)) for name in names}
 
@@ -193,13 +219,17 @@ def test_a_batch_runs_the_first_graph_whose_range_holds_its_tokens(tokens, mediu
         def tensors(self) -> tuple[torch.Tensor, ...]:
             return ()
 
-    CompiledForward(graphs).run(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens), Metadata(), torch.zeros(1))
+    forward = CompiledForward(graphs)
+    hidden = forward.run(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens), Metadata(), torch.zeros(1))
     if tokens <= SMALL_BATCH_TOKENS:
         assert ran == ["small"]
     elif medium and tokens <= f32_gemm.MAX_ROWS:
         assert ran == ["medium"]
+    elif medium:
+        assert ran == [] and hidden is None
     else:
         assert ran == ["large"]
+    assert compilation.graph_for(tokens, names) == (ran[0] if ran else None)
 
 
 def test_a_cpu_compiles_unless_eager_is_enforced_or_the_model_is_split(tiny_llama_dir):

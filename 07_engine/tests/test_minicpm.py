@@ -360,15 +360,15 @@ def test_the_registry_lists_minicpm():
 
 
 def test_the_compiled_forwards_graphs_run_minicpm(tiny_minicpm4_dir, monkeypatch, tmp_path):
-    """The CPU engine's default forward (compilation.py) with MiniCPM: its three graphs are
-    exported as they are for Llama, then run by the engine in place of the compiled packages, and
-    the tokens and logprobs still equal the plain reference. Only AOTInductor's compilation of
+    """The CPU engine's default forward (compilation.py) with MiniCPM: its graphs (``graph_names``)
+    are exported as they are for Llama, then run by the engine in place of the compiled packages,
+    and the tokens and logprobs still equal the plain reference. Only AOTInductor's compilation of
     the exports is left out (minutes on two cores; model-independent, test_compile.py runs it)."""
     from vllm_from_scratch import compilation
 
     def export_only(model, kv_cache, config, directory):
         directory.mkdir(parents=True, exist_ok=True)
-        for name in compilation.GRAPHS:
+        for name in compilation.graph_names(config):
             compilation._compile_graph(model, kv_cache, config, name, directory / f"{name}.pt2")
 
     monkeypatch.setattr(compilation, "cache_root", lambda: tmp_path)  # not XDG_CACHE_HOME: chapter 02's kernel is there

@@ -17,10 +17,13 @@ change to the model's code:
   inductor's own GEMM kernels (``max_autotune`` with its C++ template), which read a weight
   about twice as fast as oneDNN when a matmul has a row or two; larger ones keep oneDNN's packed
   GEMMs, which the template falls far behind from about eight rows, or the engine's GEMM, faster
-  than both there. A float32 model on a CPU with AVX2 and FMA has a third graph between them, for
-  5 to ``f32_gemm.MAX_ROWS`` tokens (a decode step of up to 64 requests), through the engine's
-  float32 GEMM, faster there than both (:func:`graph_names`). One more graph is the LM head alone
-  for the same few rows as the first (the sampled rows of a small decode), with the template.
+  than both there. A float32 model on a CPU with AVX2 and FMA has a medium graph instead, for 5
+  to ``f32_gemm.MAX_ROWS`` tokens (a decode step of up to 64 requests), through the engine's
+  float32 GEMM, faster there than both, and runs larger batches eagerly: there oneDNN's float32
+  GEMM called from a compiled package measured 30-45 % slower than the same call from eager
+  PyTorch, and a 512-token step 13-18 % slower in all (:func:`graph_names`). One more graph is
+  the LM head alone for the same few rows as the first (the sampled rows of a small decode), with
+  the template.
 * A package is written once under ``$XDG_CACHE_HOME/vllm_from_scratch/compiled/`` (normally
   ``~/.cache``) in a directory named by everything the compiled code depends on
   (:func:`compile_key`); a later process loads it in a fraction of a second.
@@ -72,8 +75,8 @@ log = logging.getLogger(__name__)
 # Batches of at most this many tokens run the graph with inductor's GEMM template, larger ones the
 # graph with oneDNN's (see the module docstring).
 SMALL_BATCH_TOKENS = 4
-# The inductor settings of each graph, on top of weight freezing; "medium" only where
-# graph_names says.
+# The inductor settings of each graph, on top of weight freezing; "medium" instead of "large"
+# where graph_names says.
 GRAPHS: dict[str, dict[str, object]] = {
     "small": {"max_autotune": True, "max_autotune_gemm_backends": "CPP"},
     "medium": {},
@@ -96,19 +99,31 @@ _SOURCES = [
 
 
 def graph_names(config: EngineConfig) -> list[str]:
-    """The graphs this configuration compiles and runs: all of :data:`GRAPHS`, or all but
-    ``"medium"`` unless the model is float32 and the engine's float32 GEMM runs here."""
+    """The graphs this configuration compiles and runs: ``"medium"`` in place of ``"large"`` where
+    the model is float32 and the engine's float32 GEMM runs here, so that batches of more than
+    ``f32_gemm.MAX_ROWS`` tokens run eagerly (the module docstring says why); else all of
+    :data:`GRAPHS` but ``"medium"``."""
     medium = config.torch_dtype == torch.float32 and f32_gemm.gemm_available()
-    return [name for name in GRAPHS if medium or name != "medium"]
+    return [name for name in GRAPHS if name != ("large" if medium else "medium")]
 
 
-def _token_range(name: str, names: list[str]) -> tuple[int, int | None]:
+def _token_range(name: str) -> tuple[int, int | None]:
     """The fewest and most tokens (None: no bound) of a forward through graph ``name``."""
     if name == "small":
         return 1, SMALL_BATCH_TOKENS
     if name == "medium":
         return SMALL_BATCH_TOKENS + 1, f32_gemm.MAX_ROWS
-    return (f32_gemm.MAX_ROWS if "medium" in names else SMALL_BATCH_TOKENS) + 1, None
+    return SMALL_BATCH_TOKENS + 1, None
+
+
+def graph_for(tokens: int, names: list[str]) -> str | None:
+    """The forward graph of ``names`` (in :data:`GRAPHS`' order) that a batch of ``tokens`` tokens
+    runs: the first whose token range holds it; None where none does (the batch runs eagerly)."""
+    for name in names:
+        fewest, most = _token_range(name)
+        if name != "logits" and fewest <= tokens and (most is None or tokens <= most):
+            return name
+    return None
 
 
 def cache_root() -> Path:
@@ -203,14 +218,9 @@ def _example_inputs(num_tokens: int, kv_cache: torch.Tensor, block_size: int) ->
 def _inductor_matmuls(model: nn.Module, name: str) -> Iterator[None]:
     """Within: the linear layers that graph ``name`` leaves to inductor trace as ``F.linear``,
     their weights packed for the engine's GEMM set aside (and put back after): all of them in the
-    template's graphs, the float32 ones in the large graph (oneDNN's)."""
-    layers = [
-        m
-        for m in model.modules()
-        if isinstance(m, PrepackableWeight)
-        and m.gemm_weight is not None
-        and (name in TEMPLATE_GRAPHS or (name == "large" and m.gemm_weight.dtype == torch.float32))
-    ]
+    template's graphs."""
+    with_gemm = [m for m in model.modules() if isinstance(m, PrepackableWeight) and m.gemm_weight is not None]
+    layers = with_gemm if name in TEMPLATE_GRAPHS else []
     kept = [m.gemm_weight for m in layers]
     for m in layers:
         m.gemm_weight = None
@@ -235,7 +245,7 @@ def _export_and_package(model: nn.Module, kv_cache: torch.Tensor, config: Engine
             program = torch.export.export(_Logits(model), (hidden,), dynamic_shapes=({0: rows},), strict=False)
             _package(program, name, path)
         return
-    fewest, most = _token_range(name, graph_names(config))
+    fewest, most = _token_range(name)
     tokens = torch.export.Dim("tokens", min=fewest, max=most) if most else torch.export.Dim("tokens", min=fewest)
     seqs, width, blocks = torch.export.Dim("seqs", min=1), torch.export.Dim("width"), torch.export.Dim("blocks")
     dynamic_shapes = (
@@ -301,9 +311,7 @@ class CompiledForward:
 
     def __init__(self, graphs: dict[str, AOTICompiledModel]):
         self.graphs = graphs
-        # The last token count of each forward graph, in order: a batch runs the first that holds it.
-        names = list(graphs)
-        self.ranges = [(_token_range(name, names)[1], name) for name in names if name != "logits"]
+        self.names = list(graphs)
 
     @classmethod
     def load_or_compile(cls, config: EngineConfig, model: nn.Module, kv_cache: torch.Tensor) -> CompiledForward | None:
@@ -332,12 +340,14 @@ class CompiledForward:
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, kv_cache: torch.Tensor
-    ) -> torch.Tensor:
-        """Hidden states of every token, as ``model(input_ids, positions, md)`` returns them; the
-        batch's K/V is written to ``kv_cache``."""
-        tokens = input_ids.shape[0]
-        graph = self.graphs[next(name for most, name in self.ranges if most is None or tokens <= most)]
-        return graph(input_ids, positions, *md.tensors(), kv_cache)
+    ) -> torch.Tensor | None:
+        """Hidden states of every token, as ``model(input_ids, positions, md)`` returns them, the
+        batch's K/V written to ``kv_cache``; None, with nothing written, where no graph holds the
+        batch's token count (the caller runs the model eagerly)."""
+        name = graph_for(input_ids.shape[0], self.names)
+        if name is None:
+            return None
+        return self.graphs[name](input_ids, positions, *md.tensors(), kv_cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The LM head's logits of ``hidden``'s rows through the compiled graph, for 1 to
