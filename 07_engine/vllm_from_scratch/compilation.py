@@ -48,7 +48,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -116,7 +116,7 @@ def _token_range(name: str) -> tuple[int, int | None]:
     return SMALL_BATCH_TOKENS + 1, None
 
 
-def graph_for(tokens: int, names: list[str]) -> str | None:
+def graph_for(tokens: int, names: Iterable[str]) -> str | None:
     """The forward graph of ``names`` (in :data:`GRAPHS`' order) that a batch of ``tokens`` tokens
     runs: the first whose token range holds it; None where none does (the batch runs eagerly)."""
     for name in names:
@@ -311,7 +311,6 @@ class CompiledForward:
 
     def __init__(self, graphs: dict[str, AOTICompiledModel]):
         self.graphs = graphs
-        self.names = list(graphs)
 
     @classmethod
     def load_or_compile(cls, config: EngineConfig, model: nn.Module, kv_cache: torch.Tensor) -> CompiledForward | None:
@@ -344,7 +343,7 @@ class CompiledForward:
         """Hidden states of every token, as ``model(input_ids, positions, md)`` returns them, the
         batch's K/V written to ``kv_cache``; None, with nothing written, where no graph holds the
         batch's token count (the caller runs the model eagerly)."""
-        name = graph_for(input_ids.shape[0], self.names)
+        name = graph_for(input_ids.shape[0], self.graphs)
         if name is None:
             return None
         return self.graphs[name](input_ids, positions, *md.tensors(), kv_cache)
