@@ -11,13 +11,14 @@ they stream from memory as in a step) through:
 * ``packed``: the weight packed once (``layers/prepacked.py``, the eager engine's path);
 * ``graph small`` and ``graph large``: the linears compiled by inductor with the settings of the
   engine's two graphs (``compilation.GRAPHS``: its own C++ GEMM template, and oneDNN under
-  inductor), weights frozen. Without the engine's GEMM, the engine runs the first up to
-  ``SMALL_BATCH_TOKENS`` tokens and the second above; a float32 model where the engine's float32
-  GEMM runs takes it (``layers/f32_gemm.py``, not timed here) in a medium graph up to
-  ``f32_gemm.MAX_ROWS`` tokens and ``packed`` eagerly above. The line before each row count says
-  which (``compilation.graph_for``);
+  inductor), weights frozen: the engine runs the first up to ``SMALL_BATCH_TOKENS`` tokens and
+  the second above, each with the engine's GEMM in place of inductor's where
+  ``compilation.template_graphs`` says (a float32 model where the engine's float32 GEMM runs takes
+  it in both). The line before each row count says which;
 * ``bf16_gemm``: the engine's own GEMM (``layers/bf16_gemm.py``), which every bfloat16 matmul
-  takes, eager and compiled, where the CPU has AVX-512 BF16 (only there is it timed).
+  takes, eager and compiled, where the CPU has AVX-512 BF16 (only there is it timed);
+* ``f32_gemm``: the engine's float32 GEMM (``layers/f32_gemm.py``), which every float32 matmul
+  takes where the CPU has AVX2 and FMA (only there, and for ``--dtype float32``, is it timed).
 
 Each cell is milliseconds per pass and, in brackets, the shape's floor over that time: the larger
 of reading its weights at the measured read rate and its FLOP at the measured matmul rate
@@ -44,20 +45,22 @@ from tqdm.auto import tqdm
 from floors import Floors, best_seconds, measure_floors
 from machine import add_quiet_arg, check_quiet, load_average, machine_line
 from vllm_from_scratch import default_model_dir
-from vllm_from_scratch.compilation import GRAPHS, graph_for, graph_names
+from vllm_from_scratch.compilation import GRAPHS, graph_for, template_graphs
 from vllm_from_scratch.config import EngineConfig
-from vllm_from_scratch.layers import bf16_gemm
+from vllm_from_scratch.layers import bf16_gemm, f32_gemm
 from vllm_from_scratch.layers.prepacked import PrepackableWeight, linear, pack_weight
 from vllm_from_scratch.model_runner import ModelRunner
 
 REPEATS = 10
-METHODS = ("F.linear", "packed", "graph small", "graph large", "bf16_gemm")
+METHODS = ("F.linear", "packed", "graph small", "graph large", "bf16_gemm", "f32_gemm")
 
 
 def methods_for(dtype: torch.dtype) -> tuple[str, ...]:
-    """The paths of :data:`METHODS` this machine runs for weights of ``dtype``."""
-    own_gemm = dtype == torch.bfloat16 and bf16_gemm.gemm_available()
-    return METHODS if own_gemm else METHODS[:-1]
+    """The paths of :data:`METHODS` this machine runs for weights of ``dtype``: the engine's GEMM
+    of that dtype only where it runs."""
+    own_gemm = {torch.bfloat16: "bf16_gemm" if bf16_gemm.gemm_available() else None}
+    own_gemm[torch.float32] = "f32_gemm" if f32_gemm.gemm_available() else None
+    return tuple(m for m in METHODS if m not in ("bf16_gemm", "f32_gemm") or m == own_gemm.get(dtype))
 
 
 class Linears(nn.Module):
@@ -88,6 +91,9 @@ def matmul_paths(weights: list[torch.Tensor], x: torch.Tensor) -> dict[str, Call
     if "bf16_gemm" in methods_for(weights[0].dtype):
         own = [bf16_gemm.pack(w) for w in weights]
         paths["bf16_gemm"] = lambda: [bf16_gemm.linear(x, p, None, w.shape[0]) for w, p in zip(weights, own)]
+    if "f32_gemm" in methods_for(weights[0].dtype):
+        own32 = [f32_gemm.pack(w) for w in weights]
+        paths["f32_gemm"] = lambda: [f32_gemm.linear(x, p, None, w.shape[0]) for w, p in zip(weights, own32)]
     for method, graph in (("graph small", "small"), ("graph large", "large")):
         compiled = torch.compile(Linears(weights).eval(), options=GRAPHS[graph])
 
@@ -118,22 +124,22 @@ def floor_seconds(floors: Floors, shape: tuple[int, int], count: int, rows: int,
     return max(read, matmul)
 
 
-def print_table(results: list[dict], row_counts: list[int], element_size: int, graphs: list[str]) -> None:
+def print_table(
+    results: list[dict], row_counts: list[int], element_size: int, own_gemm: str | None, templates: frozenset[str]
+) -> None:
     """One line per weight shape and row count, and a line for all the shapes together: the
     milliseconds of each path and, in brackets, the floor over that time; before each row count,
-    which of ``graphs`` (:func:`compilation.graph_names`) the compiled engine runs it through."""
+    which graph the compiled engine runs it through, and whether its matmuls are the engine's GEMM
+    ``own_gemm`` (None: none runs here) or, in the graphs of ``templates``
+    (:func:`compilation.template_graphs`), inductor's."""
     methods = list(results[0]["seconds"])
     print(f"ms per pass over the weights of a shape [its floor over that time]; load {load_average()}")
     header = f"{'rows':>4}  {'weight shape':<13} {'count':>5}  {'MB':>6}" + "".join(f"  {m:>17}" for m in methods)
     print(header + "\n" + "-" * len(header))
     for rows in row_counts:
-        graph = graph_for(rows, graphs)
-        if graph is None:
-            print(f"{rows} rows: the compiled engine runs them eagerly, through oneDNN's packed GEMM")
-        else:
-            own_gemm = {"medium": "f32_gemm", "large": "bf16_gemm" if "bf16_gemm" in methods else None}.get(graph)
-            through = f", through {own_gemm}" if own_gemm else ""
-            print(f"{rows} rows: the compiled engine runs its {graph} graph{through}")
+        graph = graph_for(rows)
+        through = f", through {own_gemm}" if own_gemm and graph not in templates else ""
+        print(f"{rows} rows: the compiled engine runs its {graph} graph{through}")
         mine = [r for r in results if r["rows"] == rows]
         lines = [
             (
@@ -189,8 +195,11 @@ def main() -> None:
                 results.append(
                     {"shape": list(shape), "count": count, "rows": rows, "floor_s": floor, "seconds": seconds}
                 )
-    graphs = graph_names(EngineConfig(model_dir, device="cpu", dtype=args.dtype))
-    print_table(results, args.rows, dtype.itemsize, graphs)
+    config = EngineConfig(model_dir, device="cpu", dtype=args.dtype)
+    own_gemm = "f32_gemm" if dtype == torch.float32 and f32_gemm.gemm_available() else None
+    if "bf16_gemm" in methods_for(dtype):
+        own_gemm = "bf16_gemm"
+    print_table(results, args.rows, dtype.itemsize, own_gemm, template_graphs(config))
     if args.json:
         Path(args.json).write_text(
             json.dumps({"machine": machine_line(), "floors": floors.as_json(), "results": results}, indent=2)

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from bench_linears import engine_weight_shapes, floor_seconds, matmul_paths, methods_for, print_table
 from floors import Floors, ModelFootprint
+from vllm_from_scratch.layers import f32_gemm
 
 
 def test_the_shapes_are_the_engines_fused_weights(tiny_llama_dir):
@@ -32,20 +33,24 @@ def test_the_shapes_are_the_engines_fused_weights(tiny_llama_dir):
     assert sum(o * i * n for (o, i), n in shapes.items()) == sum(w.numel() for w in linears) + head.numel()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_every_path_computes_the_same_products(rows):
+def test_every_path_computes_the_same_products(rows, dtype):
     generator = torch.Generator().manual_seed(rows)
-    weights = [torch.randn(48, 32, generator=generator).bfloat16() for _ in range(2)]
-    x = torch.randn(rows, 32, generator=generator).bfloat16()
-    expected = [F.linear(x.float(), w.float()) for w in weights]
+    weights = [torch.randn(48, 32, generator=generator).to(dtype) for _ in range(2)]
+    x = torch.randn(rows, 32, generator=generator).to(dtype)
+    expected = [F.linear(x.double(), w.double()) for w in weights]
     paths = matmul_paths(weights, x)
-    assert list(paths) == list(methods_for(torch.bfloat16))
+    assert list(paths) == list(methods_for(dtype))
+    assert ("f32_gemm" in paths) == (dtype == torch.float32 and f32_gemm.gemm_available())
+    # bf16: float32 sums in each path's own order, one bf16 rounding of the result; float32:
+    # float32 sums of 32 products.
+    tolerance = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     for method, run in paths.items():
         outputs = run()
         assert len(outputs) == len(weights), method
         for out, ref in zip(outputs, expected):
-            # bf16 products, float32 sums in each path's own order, one bf16 rounding of the result.
-            torch.testing.assert_close(out.float(), ref, rtol=1.6e-2, atol=1e-2, msg=method)
+            torch.testing.assert_close(out.double(), ref, **tolerance, msg=method)
 
 
 @settings(max_examples=60, derandomize=True, deadline=None)
@@ -73,7 +78,7 @@ def test_the_table_gives_each_path_as_a_fraction_of_the_floor_and_adds_the_shape
         {"shape": [8, 4], "count": 2, "rows": 1, "floor_s": 0.001, "seconds": seconds},
         {"shape": [16, 4], "count": 1, "rows": 1, "floor_s": 0.003, "seconds": seconds},
     ]
-    print_table(results, [1], element_size=2, graphs=["small", "large", "logits"])
+    print_table(results, [1], element_size=2, own_gemm=None, templates=frozenset({"small", "logits"}))
     lines = capsys.readouterr().out.splitlines()
     assert "1 rows: the compiled engine runs its small graph" in lines
 
@@ -89,18 +94,21 @@ def test_the_table_gives_each_path_as_a_fraction_of_the_floor_and_adds_the_shape
 
 
 def test_the_table_names_the_path_the_compiled_engine_takes_for_each_row_count(capsys):
-    """With a medium graph (a float32 model where the engine's float32 GEMM runs) the engine runs
-    up to f32_gemm.MAX_ROWS rows through it and more rows eagerly; without, the large graph."""
+    """The small graph up to SMALL_BATCH_TOKENS rows, the large one above; the engine's GEMM in
+    every graph but the template's."""
     seconds = {"packed": 0.001}
-    rows = [1, 8, 64, 65]
+    rows = [1, 4, 5, 512]
     results = [{"shape": [8, 4], "count": 1, "rows": r, "floor_s": 0.001, "seconds": seconds} for r in rows]
-    print_table(results, rows, element_size=4, graphs=["small", "medium", "logits"])
-    print_table(results, [65], element_size=4, graphs=["small", "large", "logits"])
+    print_table(results, rows, element_size=4, own_gemm="f32_gemm", templates=frozenset())
+    print_table(results, [4, 5], element_size=2, own_gemm="bf16_gemm", templates=frozenset({"small", "logits"}))
+    print_table(results, [5], element_size=2, own_gemm=None, templates=frozenset({"small", "logits"}))
     said = [line for line in capsys.readouterr().out.splitlines() if " rows: " in line]
     assert said == [
-        "1 rows: the compiled engine runs its small graph",
-        "8 rows: the compiled engine runs its medium graph, through f32_gemm",
-        "64 rows: the compiled engine runs its medium graph, through f32_gemm",
-        "65 rows: the compiled engine runs them eagerly, through oneDNN's packed GEMM",
-        "65 rows: the compiled engine runs its large graph",
+        "1 rows: the compiled engine runs its small graph, through f32_gemm",
+        "4 rows: the compiled engine runs its small graph, through f32_gemm",
+        "5 rows: the compiled engine runs its large graph, through f32_gemm",
+        "512 rows: the compiled engine runs its large graph, through f32_gemm",
+        "4 rows: the compiled engine runs its small graph",
+        "5 rows: the compiled engine runs its large graph, through bf16_gemm",
+        "5 rows: the compiled engine runs its large graph",
     ]

@@ -3,8 +3,8 @@
 The greedy-parity matrix of test_engine_parity.py (every engine feature, against transformers'
 ``generate``; eager there, as in every other test) runs again with ``enforce_eager=False``, on
 the tiny Llama and Qwen3 checkpoints, and the small and large batches' forward graphs must have
-served forwards (in float32 with AVX2, a medium one between them too); the graph of the LM head
-of a few rows equals the model's own. A second engine for the same checkpoint loads the cached
+served forwards; the graph of the LM head of a few rows, where there is one, equals the model's
+own. A second engine for the same checkpoint loads the cached
 graphs without compiling. Each checkpoint compiles once per session (about a minute per graph
 on a 2-core CPU), into a temporary cache directory.
 
@@ -68,26 +68,8 @@ def test_compiled_greedy_matches_transformers(request, monkeypatch, forward_size
         test_engine_parity, "LLM", lambda *args, **kwargs: LLM(*args, **{**kwargs, "enforce_eager": False})
     )
     test_engine_parity.test_greedy_matches_transformers(model_dir, feature)
-    names = compilation.graph_names(EngineConfig(model_dir, device="cpu", dtype="float32"))
-    served = {compilation.graph_for(tokens, names) for tokens in forward_sizes}
+    served = {compilation.graph_for(tokens) for tokens in forward_sizes}
     assert "small" in served and len(served) > 1, f"small and larger batches should have run: {served}"
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not f32_gemm.gemm_available(), reason="this CPU has no AVX2 and FMA: no medium graph")
-def test_a_float32_batch_above_the_medium_graph_runs_eagerly_with_the_same_tokens(forward_sizes, tiny_llama_dir):
-    """Where float32 has a medium graph it has no large one: a step of more than f32_gemm.MAX_ROWS
-    tokens runs the eager model, and the continuations are still transformers' own."""
-    llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", device="cpu")
-    eager_sizes: list[int] = []
-    llm.llm_engine.executor.runner.model.register_forward_hook(
-        lambda module, args, output: eager_sizes.append(args[0].shape[0])
-    )
-    forward_sizes.clear()  # the warm-up's
-    prompts = make_prompts(5, (30, 41))  # one 71-token prefill step, then decodes of two
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o["token_ids"] for o in outs] == [hf_greedy(tiny_llama_dir, tuple(p)) for p in prompts]
-    assert eager_sizes == [71] and max(forward_sizes) == 71 and min(forward_sizes) <= SMALL_BATCH_TOKENS
 
 
 @pytest.mark.slow
@@ -111,12 +93,19 @@ def test_second_engine_loads_the_cached_graphs(monkeypatch, tmp_path, forward_si
 
 
 @pytest.mark.slow
-def test_the_lm_head_of_a_few_rows_runs_compiled(forward_sizes, tiny_llama_dir):
+def test_the_lm_head_of_a_few_rows_runs_compiled_where_it_has_a_graph(forward_sizes, tiny_llama_dir):
+    """Where the engine's float32 GEMM runs there is no LM-head graph, and every row count takes
+    the model's own head."""
     llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", device="cpu")
     runner = llm.llm_engine.executor.runner
     hidden = torch.randn(SMALL_BATCH_TOKENS + 1, runner.config.hf_config.hidden_size)
+    has_graph = "logits" in compilation.graph_names(runner.config)
+    assert has_graph != f32_gemm.gemm_available()
     with torch.inference_mode():
         for rows in (1, SMALL_BATCH_TOKENS):
+            if not has_graph:
+                assert runner.compiled_forward.compute_logits(hidden[:rows]) is None
+                continue
             compiled = runner.compiled_forward.compute_logits(hidden[:rows])
             torch.testing.assert_close(compiled, runner.model.compute_logits(hidden[:rows]), atol=1e-4, rtol=1e-4)
         assert runner.compiled_forward.compute_logits(hidden) is None  # more rows: the model's own head
@@ -170,7 +159,7 @@ def test_only_the_large_graph_calls_the_engines_gemm(tiny_llama_dir):
             program = torch.export.export(compilation._ForwardWithCache(runner.model), example, strict=False)
         return sum("vllm_fs_gemm.linear" in str(node.target) for node in program.graph.nodes)
 
-    with compilation._inductor_matmuls(runner.model, "small"):
+    with compilation._inductor_matmuls(runner.model, "small", runner.config):
         assert all(m.gemm_weight is None for m in layers)
         assert gemm_calls() == 0
     assert all(m.gemm_weight is p for m, p in zip(layers, packed))
@@ -178,58 +167,53 @@ def test_only_the_large_graph_calls_the_engines_gemm(tiny_llama_dir):
 
 
 @pytest.mark.skipif(not f32_gemm.gemm_available(), reason="this CPU has no AVX2 and FMA")
-def test_in_float32_only_the_medium_graph_calls_the_engines_gemm(tiny_llama_dir):
-    """In float32 every linear of the medium graph (5 to f32_gemm.MAX_ROWS tokens) is one call of
-    the engine's float32 GEMM, and no large graph is compiled (larger batches run eagerly); the
-    small graph traces inductor's template and leaves the packed weights as it found them."""
+def test_in_float32_every_graph_calls_the_engines_gemm(tiny_llama_dir):
+    """In float32 every linear of both forward graphs is one call of the engine's float32 GEMM,
+    with the packed weights left as they were, and no LM-head graph is compiled; a bfloat16 model
+    keeps all three graphs and the template's."""
     config = EngineConfig(tiny_llama_dir, device="cpu", dtype="float32")
-    assert compilation.graph_names(config) == ["small", "medium", "logits"]
-    assert compilation.graph_names(EngineConfig(tiny_llama_dir, device="cpu", dtype="bfloat16")) == [
-        "small",
-        "large",
-        "logits",
-    ]
+    assert compilation.graph_names(config) == ["small", "large"]
+    assert compilation.template_graphs(config) == frozenset()
+    bf16_config = EngineConfig(tiny_llama_dir, device="cpu", dtype="bfloat16")
+    assert compilation.graph_names(bf16_config) == ["small", "large", "logits"]
+    assert compilation.template_graphs(bf16_config) == compilation.TEMPLATE_GRAPHS
     llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", enforce_eager=True)
     runner = llm.llm_engine.executor.runner
     layers = [m for m in runner.model.modules() if isinstance(m, PrepackableWeight)]
     packed = [m.gemm_weight for m in layers]
     assert all(p is not None and p.dtype == torch.float32 for p in packed)
-    example = compilation._example_inputs(8, runner.kv_cache, BLOCK)
 
-    def gemm_calls(name: str) -> int:
-        with compilation._inductor_matmuls(runner.model, name), torch.inference_mode():
+    def gemm_calls(name: str, tokens: int) -> int:
+        example = compilation._example_inputs(tokens, runner.kv_cache, BLOCK)
+        with compilation._inductor_matmuls(runner.model, name, config), torch.inference_mode():
             program = torch.export.export(compilation._ForwardWithCache(runner.model), example, strict=False)
         return sum("vllm_fs_f32_gemm.linear" in str(node.target) for node in program.graph.nodes)
 
-    assert gemm_calls("small") == 0
+    layer_linears = 4 * runner.model.config.num_hidden_layers  # QKV, O, gate-up, down
+    assert gemm_calls("small", SMALL_BATCH_TOKENS) == layer_linears
+    assert gemm_calls("large", 2 * SMALL_BATCH_TOKENS) == layer_linears
     assert all(m.gemm_weight is p for m, p in zip(layers, packed))
-    assert gemm_calls("medium") == 4 * runner.model.config.num_hidden_layers
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(tokens=st.integers(1, 4 * f32_gemm.MAX_ROWS), medium=st.booleans())
-def test_a_batch_runs_the_first_graph_whose_range_holds_its_tokens(tokens, medium):
-    """Small up to SMALL_BATCH_TOKENS; then medium up to f32_gemm.MAX_ROWS where it exists, and
-    nothing above (run returns None: the runner goes eager); else large."""
-    names = ["small", "medium", "logits"] if medium else ["small", "large", "logits"]
+@given(tokens=st.integers(-2, 4096))
+def test_a_batch_runs_the_first_graph_whose_range_holds_its_tokens(tokens):
+    """Small up to SMALL_BATCH_TOKENS, large above; a batch of no tokens has no graph."""
     ran: list[str] = []
-    graphs = {name: (lambda *args, name=name: ran.append(name)) for name in names}
+    graphs = {name: (lambda *args, name=name: ran.append(name)) for name in compilation.GRAPHS}
 
     class Metadata:
         def tensors(self) -> tuple[torch.Tensor, ...]:
             return ()
 
     forward = CompiledForward(graphs)
-    hidden = forward.run(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens), Metadata(), torch.zeros(1))
-    if tokens <= SMALL_BATCH_TOKENS:
-        assert ran == ["small"]
-    elif medium and tokens <= f32_gemm.MAX_ROWS:
-        assert ran == ["medium"]
-    elif medium:
-        assert ran == [] and hidden is None
-    else:
-        assert ran == ["large"]
-    assert compilation.graph_for(tokens, names) == (ran[0] if ran else None)
+    if tokens < 1:
+        with pytest.raises(ValueError, match="tokens"):
+            compilation.graph_for(tokens)
+        return
+    forward.run(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens), Metadata(), torch.zeros(1))
+    assert ran == (["small"] if tokens <= SMALL_BATCH_TOKENS else ["large"])
+    assert compilation.graph_for(tokens) == ran[0]
 
 
 def test_a_cpu_compiles_unless_eager_is_enforced_or_the_model_is_split(tiny_llama_dir):

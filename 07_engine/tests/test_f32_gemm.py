@@ -1,7 +1,7 @@
 """The engine's float32 GEMM (``layers/f32_gemm.cpp``) against float64 products, on shapes drawn at
 random: the row count crosses its tile (4 rows, 3 column blocks of 8) and the L2 prefetch of the
-next tile (more than one row tile), and neither dimension need be a multiple of anything; then
-the layers' choice between it and oneDNN by row count."""
+next tile (more than one row tile) and the bands of rows it splits a wide x into, and neither
+dimension need be a multiple of anything; then that a float32 layer takes it for every matmul."""
 
 from __future__ import annotations
 
@@ -38,6 +38,26 @@ def test_matches_the_products_summed_exactly(rows, out_features, in_features, wi
     assert out.dtype == torch.float32 and out.shape == (*leading, rows, out_features)
     reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     # A float32 sum of in_features products taken in order: its rounding grows with their count.
+    torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-6 * in_features)
+
+
+@needs_gemm
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    rows=st.integers(1, 80),
+    out_features=st.integers(1, 60),
+    in_features=st.integers(1500, 4100),
+    seed=st.integers(0, 2**16),
+)
+def test_rows_in_several_bands_match_the_exact_products(rows, out_features, in_features, seed):
+    """A band of x's rows is as many as fit 256 KB (f32_gemm.cpp): 16 to 40 rows at these
+    widths, so most draws cross one or more bands, some ending in a partial row tile."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    out = f32_gemm.linear(x, f32_gemm.pack(weight), bias, out_features)
+    reference = F.linear(x.double(), weight.double(), bias.double())
     torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-6 * in_features)
 
 
@@ -96,14 +116,17 @@ def test_the_operator_traces_with_its_fake_shape():
 
 
 @needs_gemm
-@pytest.mark.parametrize("rows", [1, f32_gemm.MAX_ROWS, f32_gemm.MAX_ROWS + 1])
-def test_a_float32_layer_takes_the_kernel_up_to_max_rows_then_onednn(monkeypatch, rows):
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 600))
+def test_a_float32_layer_takes_the_kernel_at_every_row_count(rows):
+    """One matmul path at every row count, and no oneDNN copy of the weight beside it."""
     layer = ReplicatedLinear(24, 40, bias=False)
     layer.weight.data.normal_()
-    assert layer.prepack() and layer.gemm_weight is not None and layer.packed_weight is not None
+    assert layer.prepack() and layer.gemm_weight is not None and layer.packed_weight is None
     calls = []
     kernel = f32_gemm.linear
-    monkeypatch.setattr(f32_gemm, "linear", lambda *args: calls.append(args) or kernel(*args))
-    x = torch.randn(rows, 24)
-    torch.testing.assert_close(layer.matmul(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
-    assert len(calls) == (rows <= f32_gemm.MAX_ROWS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(f32_gemm, "linear", lambda *args: calls.append(args) or kernel(*args))
+        x = torch.randn(rows, 24)
+        torch.testing.assert_close(layer.matmul(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1

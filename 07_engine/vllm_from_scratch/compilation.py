@@ -9,21 +9,20 @@ change to the model's code:
   too, so the graph holds no copy of it), and the token count, request count, block-table width
   and cache size symbolic. Attention is one opaque operator (``layers/attention.py``,
   :func:`~vllm_from_scratch.layers.attention.unified_attention`); the linear layers are plain
-  ``F.linear`` while traced (``layers/prepacked.py``), or, where the CPU has AVX-512 BF16, the
-  engine's own GEMM operator (``layers/bf16_gemm.py``) in the graph of larger batches.
+  ``F.linear`` while traced (``layers/prepacked.py``), or the engine's own GEMM operator: where
+  the CPU has AVX-512 BF16, bfloat16's (``layers/bf16_gemm.py``) in the graph of larger batches;
+  where it has AVX2, float32's (``layers/f32_gemm.py``) in both.
 * AOTInductor compiles the graph to C++ with the weights frozen (constants), so norms, residual
   adds, RoPE and SiLU·mul fuse into loops between the matmuls, and packs it with its weights into
   one file. Two graphs, split by token count (:data:`SMALL_BATCH_TOKENS`): small batches use
   inductor's own GEMM kernels (``max_autotune`` with its C++ template), which read a weight
   about twice as fast as oneDNN when a matmul has a row or two; larger ones keep oneDNN's packed
   GEMMs, which the template falls far behind from about eight rows, or the engine's GEMM, faster
-  than both there. A float32 model on a CPU with AVX2 and FMA has a medium graph instead, for 5
-  to ``f32_gemm.MAX_ROWS`` tokens (a decode step of up to 64 requests), through the engine's
-  float32 GEMM, faster there than both, and runs larger batches eagerly: there oneDNN's float32
-  GEMM called from a compiled package measured 30-45 % slower than the same call from eager
-  PyTorch, and a 512-token step 13-18 % slower in all (:func:`graph_names`). One more graph is
-  the LM head alone for the same few rows as the first (the sampled rows of a small decode), with
-  the template.
+  than both there. One more graph is the LM head alone for the same few rows as the first (the
+  sampled rows of a small decode), with the template. A float32 model on a CPU with AVX2 and
+  FMA takes the engine's float32 GEMM in both graphs and has no LM-head graph: that GEMM read
+  the weights of a one- to four-token step 12-14 % faster than the template, and the LM head's as
+  fast or faster (:func:`graph_names`).
 * A package is written once under ``$XDG_CACHE_HOME/vllm_from_scratch/compiled/`` (normally
   ``~/.cache``) in a directory named by everything the compiled code depends on
   (:func:`compile_key`); a later process loads it in a fraction of a second.
@@ -48,7 +47,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -72,18 +71,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Batches of at most this many tokens run the graph with inductor's GEMM template, larger ones the
-# graph with oneDNN's (see the module docstring).
+# Batches of at most this many tokens run the small graph (inductor's GEMM template), larger ones
+# the large graph (see the module docstring).
 SMALL_BATCH_TOKENS = 4
-# The inductor settings of each graph, on top of weight freezing; "medium" instead of "large"
-# where graph_names says.
+# The inductor settings of each graph, on top of weight freezing.
 GRAPHS: dict[str, dict[str, object]] = {
     "small": {"max_autotune": True, "max_autotune_gemm_backends": "CPP"},
-    "medium": {},
     "large": {},
     "logits": {"max_autotune": True, "max_autotune_gemm_backends": "CPP"},
 }
-# The graphs whose matmuls stay inductor's even where the engine's GEMM runs: for up to
+# The graphs whose matmuls stay inductor's even where the engine's bfloat16 GEMM runs: for up to
 # SMALL_BATCH_TOKENS rows the template reads a weight as fast, and a one-request step through
 # the graph that keeps it measured 1.5-2 ms faster (07_engine/topics/performance.md).
 TEMPLATE_GRAPHS = frozenset({"small", "logits"})
@@ -98,32 +95,38 @@ _SOURCES = [
 ]
 
 
+def _float32_gemm(config: EngineConfig) -> bool:
+    """Whether the model is float32 and the engine's float32 GEMM runs here."""
+    return config.torch_dtype == torch.float32 and f32_gemm.gemm_available()
+
+
 def graph_names(config: EngineConfig) -> list[str]:
-    """The graphs this configuration compiles and runs: ``"medium"`` in place of ``"large"`` where
-    the model is float32 and the engine's float32 GEMM runs here, so that batches of more than
-    ``f32_gemm.MAX_ROWS`` tokens run eagerly (the module docstring says why); else all of
-    :data:`GRAPHS` but ``"medium"``."""
-    medium = config.torch_dtype == torch.float32 and f32_gemm.gemm_available()
-    return [name for name in GRAPHS if name != ("large" if medium else "medium")]
+    """The graphs this configuration compiles and runs: all of :data:`GRAPHS`, but no ``"logits"``
+    where the engine's float32 GEMM takes every matmul (the module docstring says why)."""
+    return [name for name in GRAPHS if not (name == "logits" and _float32_gemm(config))]
+
+
+def template_graphs(config: EngineConfig) -> frozenset[str]:
+    """The graphs whose matmuls are inductor's template: :data:`TEMPLATE_GRAPHS`, none where the
+    engine's float32 GEMM runs."""
+    return frozenset() if _float32_gemm(config) else TEMPLATE_GRAPHS
 
 
 def _token_range(name: str) -> tuple[int, int | None]:
     """The fewest and most tokens (None: no bound) of a forward through graph ``name``."""
     if name == "small":
         return 1, SMALL_BATCH_TOKENS
-    if name == "medium":
-        return SMALL_BATCH_TOKENS + 1, f32_gemm.MAX_ROWS
     return SMALL_BATCH_TOKENS + 1, None
 
 
-def graph_for(tokens: int, names: Iterable[str]) -> str | None:
-    """The forward graph of ``names`` (in :data:`GRAPHS`' order) that a batch of ``tokens`` tokens
-    runs: the first whose token range holds it; None where none does (the batch runs eagerly)."""
-    for name in names:
+def graph_for(tokens: int) -> str:
+    """The forward graph a batch of ``tokens`` tokens (at least one) runs: the first of
+    :data:`GRAPHS` whose token range holds it."""
+    for name in GRAPHS:
         fewest, most = _token_range(name)
         if name != "logits" and fewest <= tokens and (most is None or tokens <= most):
             return name
-    return None
+    raise ValueError(f"tokens must be at least 1, got {tokens}")
 
 
 def cache_root() -> Path:
@@ -137,8 +140,8 @@ def compile_key(config: EngineConfig) -> str:
     the checkpoint (its config and the size and time of each weight file: the weights are frozen
     into the package), the KV layout, the dtype, whether chapter 02's C++ kernels load (the graphs
     then call their operator; asking loads them, which registers it before any graph is loaded),
-    the threads (the C++ loops are split for them), whether the engine's GEMM runs (the large graph
-    calls its operator), torch, Python and the CPU. A package is loaded only when its key equals
+    the threads (the C++ loops are split for them), whether the engine's GEMMs run (the graphs call
+    their operators), torch, Python and the CPU. A package is loaded only when its key equals
     this one."""
     model_dir = Path(config.model_dir).resolve()
     weights = sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin"))
@@ -215,12 +218,12 @@ def _example_inputs(num_tokens: int, kv_cache: torch.Tensor, block_size: int) ->
 
 
 @contextlib.contextmanager
-def _inductor_matmuls(model: nn.Module, name: str) -> Iterator[None]:
+def _inductor_matmuls(model: nn.Module, name: str, config: EngineConfig) -> Iterator[None]:
     """Within: the linear layers that graph ``name`` leaves to inductor trace as ``F.linear``,
     their weights packed for the engine's GEMM set aside (and put back after): all of them in the
-    template's graphs."""
+    template's graphs (:func:`template_graphs`)."""
     with_gemm = [m for m in model.modules() if isinstance(m, PrepackableWeight) and m.gemm_weight is not None]
-    layers = with_gemm if name in TEMPLATE_GRAPHS else []
+    layers = with_gemm if name in template_graphs(config) else []
     kept = [m.gemm_weight for m in layers]
     for m in layers:
         m.gemm_weight = None
@@ -233,7 +236,7 @@ def _inductor_matmuls(model: nn.Module, name: str) -> Iterator[None]:
 
 def _compile_graph(model: nn.Module, kv_cache: torch.Tensor, config: EngineConfig, name: str, path: Path) -> None:
     """Export graph ``name`` (the forward for its token range, or the LM head) and compile it into ``path``."""
-    with _inductor_matmuls(model, name):
+    with _inductor_matmuls(model, name, config):
         _export_and_package(model, kv_cache, config, name, path)
 
 
@@ -339,19 +342,16 @@ class CompiledForward:
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, kv_cache: torch.Tensor
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         """Hidden states of every token, as ``model(input_ids, positions, md)`` returns them, the
-        batch's K/V written to ``kv_cache``; None, with nothing written, where no graph holds the
-        batch's token count (the caller runs the model eagerly)."""
-        name = graph_for(input_ids.shape[0], self.graphs)
-        if name is None:
-            return None
-        return self.graphs[name](input_ids, positions, *md.tensors(), kv_cache)
+        batch's K/V written to ``kv_cache``."""
+        return self.graphs[graph_for(input_ids.shape[0])](input_ids, positions, *md.tensors(), kv_cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The LM head's logits of ``hidden``'s rows through the compiled graph, for 1 to
         :data:`SMALL_BATCH_TOKENS` rows (its GEMM template reads the 28 M weights of the default
-        model's head faster than oneDNN does for a row or two); None for any other count."""
-        if not 1 <= hidden.shape[0] <= SMALL_BATCH_TOKENS:
+        model's head faster than oneDNN does for a row or two); None for any other count, and where
+        there is no such graph (:func:`graph_names`)."""
+        if "logits" not in self.graphs or not 1 <= hidden.shape[0] <= SMALL_BATCH_TOKENS:
             return None
         return self.graphs["logits"](hidden)

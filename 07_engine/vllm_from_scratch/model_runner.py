@@ -387,14 +387,12 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
         """Hidden states of every token of ``batch`` (through a decode graph when one fits, through
-        a compiled graph when one holds its token count, else eagerly)."""
+        the compiled forward when there is one)."""
         md = batch.attn_metadata
         if self.graph_runner is not None and self.graph_runner.can_run(batch.input_ids, md):
             return self.graph_runner.run(batch.input_ids, batch.positions, md)
         if self.compiled_forward is not None:
-            hidden = self.compiled_forward.run(batch.input_ids, batch.positions, md, self.kv_cache)
-            if hidden is not None:
-                return hidden
+            return self.compiled_forward.run(batch.input_ids, batch.positions, md, self.kv_cache)
         return self.model(batch.input_ids, batch.positions, md)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

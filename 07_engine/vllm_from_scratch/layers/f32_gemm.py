@@ -1,18 +1,16 @@
-"""The engine's float32 matmul for the few rows of a decode step on CPUs with AVX2 and FMA
-(``f32_gemm.cpp``): every linear layer of up to :data:`MAX_ROWS` rows, eager, and in the compiled
-graph of that many tokens.
+"""The engine's float32 matmul on CPUs with AVX2 and FMA (``f32_gemm.cpp``): every linear layer
+of a float32 model, eager and in the compiled graphs.
 
 A float32 model runs where the CPU has no bfloat16 arithmetic (an AVX2 laptop, a Zen 3 server).
-There oneDNN's packed float32 GEMM, the engine's path for a prompt, reads a weight at about half
-the memory's speed for a few rows, and the graph of one to four tokens has inductor's own template
-(``compilation.py``), which falls behind from about eight. The kernel here packs each weight once
-into the layout its FMAs read and keeps 12 independent sums in registers. All the default model's
-weights at 16 rows: 61 ms against oneDNN's 109, at 32 rows 93 against 150; from about 64 rows
-oneDNN is as fast and above it faster (07_engine/topics/performance.md).
+There oneDNN's packed float32 GEMM reads a weight at about half the memory's speed for a few
+rows, and inductor's own template (``compilation.py``) falls behind from about eight. The kernel
+here packs each weight once into the layout its FMAs read and keeps 12 independent sums in
+registers; for many rows it splits x into bands that stay in the L2 cache. All the default
+model's weights on a 2-core Zen 3: 1 row 24 ms against oneDNN's 46, 16 rows 51 against 73, 128
+rows 250 against 278, 512 rows 930 against 946 (07_engine/topics/performance.md).
 
 It is a torch operator, ``torch.ops.vllm_fs_f32_gemm.linear``, with a fake implementation, so the
-compiled graph of :data:`MAX_ROWS` tokens or fewer traces through it. Products are float32 sums in
-another order than oneDNN's.
+compiled graphs trace through it. Products are float32 sums in another order than oneDNN's.
 """
 
 from __future__ import annotations
@@ -27,9 +25,6 @@ import torch
 from cpp_kernel import CppKernel, cpu_flags
 
 KERNEL = CppKernel("vllm_fs_f32_gemm", Path(__file__).resolve().with_suffix(".cpp"))
-# Rows up to which the kernel is faster than oneDNN's packed GEMM (all the default model's
-# weights, 2 threads, a 2-core Zen 3: 181 against 176 ms at 64 rows, 354 against 327 at 128).
-MAX_ROWS = 64
 
 
 def cpu_has_avx2_fma() -> bool:

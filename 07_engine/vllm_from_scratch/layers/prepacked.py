@@ -1,10 +1,9 @@
 """Weights packed once for the CPU's matmul: the same products, less work per step.
 
 Where the CPU has AVX-512 BF16, a bfloat16 weight is packed for the engine's own GEMM
-(``bf16_gemm.py``), which reads weights faster than oneDNN at every row count measured, and
-every matmul of that weight takes it. Where the CPU has AVX2 and FMA, a float32 weight is also
-packed for the engine's float32 GEMM (``f32_gemm.py``), which matmuls of up to
-``f32_gemm.MAX_ROWS`` rows take. What follows is the path of every other matmul.
+(``bf16_gemm.py``), and where it has AVX2 and FMA, a float32 weight for the engine's float32 GEMM
+(``f32_gemm.py``): each is as fast as oneDNN or faster at every row count measured, and every
+matmul of that weight takes it. What follows is the path of every other matmul.
 
 ``F.linear`` has oneDNN reorder ("pack") the weight into its tiled layout on every call, a large
 share of a decode-sized matmul, so the engine packs once after loading (07_engine/README.md,
@@ -136,32 +135,29 @@ class PrepackableWeight:
         does not apply.
 
         A bfloat16 CPU weight is packed for the engine's own GEMM where it runs
-        (:func:`bf16_gemm.gemm_available`), which every matmul then takes, compiled ones too.
-        Otherwise it is packed for oneDNN, with a float32 copy of a bf16 weight when
-        ``float32_copy`` (``None``: where :func:`bf16_matmul_is_slow`); a float32 weight is also
-        packed for the engine's float32 GEMM where it runs (:func:`f32_gemm.gemm_available`)."""
+        (:func:`bf16_gemm.gemm_available`), a float32 one for the engine's float32 GEMM where it
+        runs (:func:`f32_gemm.gemm_available`); every matmul then takes it, compiled ones too.
+        Otherwise the weight is packed for oneDNN, with a float32 copy of a bf16 weight when
+        ``float32_copy`` (``None``: where :func:`bf16_matmul_is_slow`)."""
         self.gemm_weight = self.packed_weight = self.packed_weight_fp32 = None
         on_cpu = self.weight.device.type == "cpu"
         if self.weight.dtype == torch.bfloat16 and on_cpu and bf16_gemm.gemm_available():
             self.gemm_weight = bf16_gemm.pack(self.weight)
             return True
+        if self.weight.dtype == torch.float32 and on_cpu and f32_gemm.gemm_available():
+            self.gemm_weight = f32_gemm.pack(self.weight)
+            return True
         self.packed_weight = pack_weight(self.weight)
         if self.packed_weight is not None and self.weight.dtype == torch.bfloat16:
             if bf16_matmul_is_slow() if float32_copy is None else float32_copy:
                 self.packed_weight_fp32 = pack_weight(self.weight.float())
-        if self.weight.dtype == torch.float32 and on_cpu and f32_gemm.gemm_available():
-            self.gemm_weight = f32_gemm.pack(self.weight)
-        return self.packed_weight is not None or self.gemm_weight is not None
+        return self.packed_weight is not None
 
     def _gemm_weight_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The weight packed for the engine's GEMM where its product with ``x`` goes through it:
-        always in bfloat16; in float32 up to ``f32_gemm.MAX_ROWS`` rows (the graph being traced
-        for such rows holds the packed weight, that of more rows has it set aside)."""
+        """The weight packed for the engine's GEMM where its product with ``x`` goes through it: ``x``
+        on the CPU in the packed weight's dtype."""
         packed = self.gemm_weight
         if packed is None or x.dtype != packed.dtype or x.device.type != "cpu":
-            return None
-        many_rows = x.numel() > f32_gemm.MAX_ROWS * x.shape[-1]
-        if x.dtype == torch.float32 and many_rows and not torch.compiler.is_compiling():
             return None
         return packed
 
