@@ -95,21 +95,17 @@ _SOURCES = [
 ]
 
 
-def _float32_gemm(config: EngineConfig) -> bool:
-    """Whether the model is float32 and the engine's float32 GEMM runs here."""
-    return config.torch_dtype == torch.float32 and f32_gemm.gemm_available()
+def template_graphs(config: EngineConfig) -> frozenset[str]:
+    """The graphs whose matmuls are inductor's template: :data:`TEMPLATE_GRAPHS`, none where the
+    model is float32 and the engine's float32 GEMM runs here (the module docstring says why)."""
+    float32_gemm = config.torch_dtype == torch.float32 and f32_gemm.gemm_available()
+    return frozenset() if float32_gemm else TEMPLATE_GRAPHS
 
 
 def graph_names(config: EngineConfig) -> list[str]:
-    """The graphs this configuration compiles and runs: all of :data:`GRAPHS`, but no ``"logits"``
-    where the engine's float32 GEMM takes every matmul (the module docstring says why)."""
-    return [name for name in GRAPHS if not (name == "logits" and _float32_gemm(config))]
-
-
-def template_graphs(config: EngineConfig) -> frozenset[str]:
-    """The graphs whose matmuls are inductor's template: :data:`TEMPLATE_GRAPHS`, none where the
-    engine's float32 GEMM runs."""
-    return frozenset() if _float32_gemm(config) else TEMPLATE_GRAPHS
+    """The graphs this configuration compiles and runs: all of :data:`GRAPHS`, but the LM head's
+    only where it is a template graph (without the template it is the eager head's one matmul)."""
+    return [name for name in GRAPHS if name != "logits" or name in template_graphs(config)]
 
 
 def _token_range(name: str) -> tuple[int, int | None]:
