@@ -120,12 +120,13 @@ def test_varlen_kernel_rejects_what_would_read_outside_the_cache():
 
 @st.composite
 def attention_batches(draw):
-    """Sequences of 1-70 tokens with up to 24 new ones each (one each for a decode batch), over a
-    cache whose every slot outside the sequences holds NaN: a kernel that reads one, even to weight
-    it by zero, returns NaN."""
+    """Sequences of 1-70 tokens with up to 24 new ones each (none for some: a batch may hold a
+    sequence with nothing to attend this step; one each for a decode batch), over a cache whose
+    every slot outside the sequences holds NaN: a kernel that reads one, even to weight it by zero,
+    returns NaN."""
     decode = draw(st.booleans())
     lens = draw(st.lists(st.integers(1, 70), min_size=1, max_size=4))
-    shapes = [(1 if decode else draw(st.integers(1, min(n, 24))), n) for n in lens]
+    shapes = [(1 if decode else draw(st.integers(0, min(n, 24))), n) for n in lens]
     num_kv_heads, group = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 3, 5]))
     head_dim, block_size = draw(st.sampled_from(HEAD_DIMS)), draw(st.integers(1, 17))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
