@@ -238,21 +238,26 @@ def signature_key(fn) -> list[tuple]:
     return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
 
-_IS_BOOK_MODULE: dict[tuple[str, str | None], bool] = {}
+# name -> (the module under that name when it was classified, whether it is a book module)
+_IS_BOOK_MODULE: dict[str, tuple[object, bool]] = {}
 
 
 def _book_modules():
     """Modules loaded from the repository's own files (chapters, tests), not from the venv.
 
-    Whether a module is one is decided once per (name, file): resolving the path of each of the
-    thousands of modules torch and transformers load, at every swap, cost a second per test."""
+    Whether a module is one is decided once per module object: resolving the path of each of the
+    thousands of modules torch and transformers load, at every swap, cost a second per test, and
+    even reading their ``__file__`` again at every swap cost a fifth of a grading run."""
     venv = ROOT / ".venv"
     for name, mod in list(sys.modules.items()):
-        key = (name, getattr(mod, "__file__", None))
-        known = _IS_BOOK_MODULE.get(key)
-        if known is None:
-            path = Path(key[1]).resolve() if key[1] else None
-            known = _IS_BOOK_MODULE[key] = path is not None and ROOT in path.parents and venv not in path.parents
+        seen = _IS_BOOK_MODULE.get(name)
+        if seen is not None and seen[0] is mod:
+            known = seen[1]
+        else:
+            file = getattr(mod, "__file__", None)
+            path = Path(file).resolve() if file else None
+            known = path is not None and ROOT in path.parents and venv not in path.parents
+            _IS_BOOK_MODULE[name] = (mod, known)
         if known:
             yield mod
 

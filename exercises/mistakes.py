@@ -107,11 +107,9 @@ def answer_key(chapters: list[str] | None = None) -> dict[Path, str]:
     return make_stubs.expected_files(solutions=True, chapters=chapters)
 
 
-def grade_round(
-    batch: list[Answer], key: dict[Path, str], workdir: Path, graded_by: str = "both", draw: str | None = None
-) -> list[tuple[Answer, grade.ExerciseScore]]:
-    """Plant ``batch`` (at most one mistake per exercise) into the answer key and grade them on
-    their own tests (``graded_by``: both kinds, or only the hand-written or differential ones)."""
+def write_round(batch: list[Answer], key: dict[Path, str], workdir: Path) -> None:
+    """Write the answer key into ``workdir`` with ``batch`` (at most one mistake per exercise)
+    planted into it."""
     files = dict(key)
     all_exercises = ep.load_exercises()
     for m in batch:
@@ -125,6 +123,14 @@ def grade_round(
     for rel, text in files.items():
         (workdir / rel).parent.mkdir(parents=True, exist_ok=True)
         (workdir / rel).write_text(text)
+
+
+def grade_round(
+    batch: list[Answer], key: dict[Path, str], workdir: Path, graded_by: str = "both", draw: str | None = None
+) -> list[tuple[Answer, grade.ExerciseScore]]:
+    """Plant ``batch`` (at most one mistake per exercise) into the answer key and grade them on
+    their own tests (``graded_by``: both kinds, or only the hand-written or differential ones)."""
+    write_round(batch, key, workdir)
     ids = [m.exercise.id for m in batch]
     scores = {s.id: s for s in grade.grade("student", exercises_dir=workdir, ids=ids, graded_by=graded_by, draw=draw)}
     return [(m, scores[m.exercise.id]) for m in batch]

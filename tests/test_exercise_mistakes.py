@@ -2,11 +2,12 @@
 
 Fast checks: every exercise has at least one catalogued mistake, and each mistake is the stub
 function (its name, the reference's parameters) with a one-line docstring naming the
-misconception. Slow checks (one pytest subprocess per round, per chapter): each mistake,
-planted into the answer key, loses marks on its own exercise, with a failure that says so.
+misconception. Slow checks (one pytest subprocess per round): each mistake, planted into the
+answer key, loses marks on its own exercise, with a failure that says so.
 """
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -40,13 +41,25 @@ def test_mistake_is_the_stub_function_with_its_misconception(m):
     check_answer_file(m, "names the mistake")
 
 
+@pytest.fixture(scope="module")
+def graded_mistakes():
+    """Every chapter's mistakes, graded by one ``mistakes.check()``.
+
+    Its rounds take the r-th mistake of every exercise of every chapter: one pytest run per round
+    for the whole catalogue instead of one per round per chapter, each mistake still graded alone
+    in place on all of its exercise's own tests, as ``mistakes.check([chapter])`` grades it."""
+    return mistakes.check()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("chapter", CHAPTERS)
-def test_every_mistake_loses_marks(chapter):
+def test_every_mistake_loses_marks(chapter, request):
     if not any(m.exercise.chapter == chapter for m in MISTAKES):
         pytest.skip(f"{chapter} has no catalogued mistakes")
     missed = []
-    for m, s in mistakes.check([chapter]):
+    graded = [(m, s) for m, s in request.getfixturevalue("graded_mistakes") if m.exercise.chapter == chapter]
+    assert [m for m, _ in graded] == [m for m in MISTAKES if m.exercise.chapter == chapter]
+    for m, s in graded:
         if s.total == 0:
             missed.append(f"{m.name}: none of exercise {m.exercise.id}'s tests ran")
         elif s.passed == s.total:
@@ -65,13 +78,20 @@ def test_a_failing_chapter_test_costs_the_exercise_whose_code_fails_it(tmp_path)
     for rel, text in key.items():
         (tmp_path / "key" / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "key" / rel).write_text(text)
-    clean_scores, (clean,) = grade.grade_all(
-        exercises_dir=tmp_path / "key", chapters=["04_scheduler"], chapter_tests="all"
-    )
+    mistakes.write_round([m], key, tmp_path / "wrong")
+    # The two gradings are independent pytest processes in their own folders: side by side, as
+    # mistakes.check() runs its rounds.
+    with ThreadPoolExecutor(max_workers=mistakes.ROUNDS_AT_ONCE) as pool:
+        clean_run = pool.submit(
+            grade.grade_all, exercises_dir=tmp_path / "key", chapters=["04_scheduler"], chapter_tests="all"
+        )
+        wrong_run = pool.submit(
+            grade.grade_all, exercises_dir=tmp_path / "wrong", chapters=["04_scheduler"], chapter_tests="all"
+        )
+        clean_scores, (clean,) = clean_run.result()
+        scores, (wrong,) = wrong_run.result()
     assert clean.passed > 0 and clean.failed == 0, [t.nodeid for t in clean.tests if t.outcome == "failed"]
     assert all(s.full and s.chapter_total > 0 for s in clean_scores), [(s.id, s.mark) for s in clean_scores]
-    mistakes.grade_round([m], key, tmp_path / "wrong")
-    scores, (wrong,) = grade.grade_all(exercises_dir=tmp_path / "wrong", chapters=["04_scheduler"], chapter_tests="all")
     failed = [t for t in wrong.tests if t.outcome == "failed"]
     assert wrong.failed == len(failed) > 0
     assert all("test_scheduler_properties.py" in t.nodeid and "_start_remote_load" in t.message for t in failed), [

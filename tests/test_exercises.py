@@ -2,9 +2,9 @@
 
 Fast checks: every chapter with tests has at least three exercises; each names a reference that
 exists, a stub with the reference's exact signature that raises its own NotImplementedError,
-and tests that exist. Slow checks (one pytest subprocess each, over every chapter): the untouched
-stubs fail every exercise test with that message, the reference passes them all, and an answer
-key made from the reference passes them all through the student path.
+and tests that exist. Slow checks (one pytest subprocess each, over every chapter, two at a time):
+the untouched stubs fail every exercise test with that message, the reference passes them all,
+and an answer key made from the reference passes them all through the student path.
 """
 
 import ast
@@ -16,6 +16,7 @@ import sys
 import textwrap
 import types
 import typing
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -113,10 +114,40 @@ def test_swap_is_undone():
     assert BlockManager.__dict__["slot_mapping"] is original
 
 
+# Whole-book gradings side by side: each is one pytest process, mostly on one core.
+GRADINGS_AT_ONCE = 2
+
+
+@pytest.fixture(scope="module")
+def whole_book_gradings(request, tmp_path_factory):
+    """The whole-book gradings of the slow checks below, by the name of the test that reads each,
+    started together in the background, two at a time: only those of the tests that will run."""
+    wanted = {item.name for item in request.session.items if item.module is request.module}
+    key = "test_answer_key_passes_through_the_student_path"
+    key_dir = _answer_key(tmp_path_factory.mktemp("answer_key")) if key in wanted else None
+    runs = {
+        "test_untouched_stubs_fail_with_their_message": lambda: grade.grade("student"),
+        "test_reference_passes_every_exercise_test": lambda: grade.grade("reference"),
+        key: lambda: grade.grade("student", exercises_dir=key_dir),
+    }
+    pool = ThreadPoolExecutor(max_workers=GRADINGS_AT_ONCE)
+    futures: dict[str, Future] = {name: pool.submit(run) for name, run in runs.items() if name in wanted}
+    yield futures
+    pool.shutdown(cancel_futures=True)
+
+
+def _answer_key(folder: Path) -> Path:
+    """``folder``, holding the answer key: stub files whose functions are the reference's."""
+    for rel, text in make_stubs.expected_files(solutions=True).items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_text(text)
+    return folder
+
+
 @pytest.mark.slow
-def test_untouched_stubs_fail_with_their_message():
+def test_untouched_stubs_fail_with_their_message(whole_book_gradings, request):
     bad = []
-    for s in grade.grade("student"):
+    for s in whole_book_gradings[request.node.name].result():
         listed = next(ex for ex in ALL if ex.id == s.id).own_tests()
         if s.total < len(listed):
             bad.append(f"{s.id}: only {s.total} of its {len(listed)} tests ran")
@@ -133,9 +164,9 @@ def test_untouched_stubs_fail_with_their_message():
 
 
 @pytest.mark.slow
-def test_reference_passes_every_exercise_test():
+def test_reference_passes_every_exercise_test(whole_book_gradings, request):
     bad = []
-    for s in grade.grade("reference"):
+    for s in whole_book_gradings[request.node.name].result():
         if s.total == 0:
             bad.append(f"exercise {s.id}: none of its tests ran")
         bad += [f"{r.nodeid}: {r.outcome}\n{r.message[-800:]}" for r in s.tests if r.outcome != "passed"]
@@ -143,12 +174,9 @@ def test_reference_passes_every_exercise_test():
 
 
 @pytest.mark.slow
-def test_answer_key_passes_through_the_student_path(tmp_path):
-    for rel, text in make_stubs.expected_files(solutions=True).items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+def test_answer_key_passes_through_the_student_path(whole_book_gradings, request):
     bad = []
-    for s in grade.grade("student", exercises_dir=tmp_path):
+    for s in whole_book_gradings[request.node.name].result():
         if s.total == 0:
             bad.append(f"exercise {s.id}: none of its tests ran")
         bad += [f"{r.nodeid}: {r.outcome}\n{r.message[-800:]}" for r in s.tests if r.outcome != "passed"]
