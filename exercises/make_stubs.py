@@ -213,6 +213,15 @@ def registry_extras(chapter_dir: Path) -> tuple[dict[str, str], dict[str, list[s
     return hints, imports
 
 
+def write_files(files: dict[Path, str], folder: Path) -> Path:
+    """Write ``files`` (paths relative to ``folder``, as :func:`expected_files` gives them) into
+    ``folder``, creating the folders they need; returns ``folder``."""
+    for rel, text in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_text(text)
+    return folder
+
+
 def expected_files(
     exercises_dir: Path = ep.EXERCISES_DIR,
     solutions: bool = False,
@@ -257,9 +266,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     unimportable: list[str] = []
     if args.solutions:
-        for rel, text in expected_files(solutions=True, chapters=args.chapter, unimportable=unimportable).items():
-            (args.solutions / rel).parent.mkdir(parents=True, exist_ok=True)
-            (args.solutions / rel).write_text(text)
+        write_files(expected_files(solutions=True, chapters=args.chapter, unimportable=unimportable), args.solutions)
         print(f"wrote the answer key to {args.solutions}")
         return 1 if unimportable else 0
     stale = []

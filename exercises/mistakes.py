@@ -120,9 +120,7 @@ def write_round(batch: list[Answer], key: dict[Path, str], workdir: Path) -> Non
             if ex.chapter == m.exercise.chapter and ex.stub_file == m.exercise.stub_file
         }
         files[rel] = plant(files[rel], m, defined)
-    for rel, text in files.items():
-        (workdir / rel).parent.mkdir(parents=True, exist_ok=True)
-        (workdir / rel).write_text(text)
+    make_stubs.write_files(files, workdir)
 
 
 def grade_round(

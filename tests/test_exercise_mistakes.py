@@ -75,9 +75,7 @@ def test_a_failing_chapter_test_costs_the_exercise_whose_code_fails_it(tmp_path)
     grade = sys.modules["grade"]
     (m,) = [m for m in MISTAKES if m.path.name == "04.3_no_kv_connector.py"]
     key = mistakes.answer_key(["04_scheduler"])
-    for rel, text in key.items():
-        (tmp_path / "key" / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "key" / rel).write_text(text)
+    mistakes.write_round([], key, tmp_path / "key")
     mistakes.write_round([m], key, tmp_path / "wrong")
     # The two gradings are independent pytest processes in their own folders: side by side, as
     # mistakes.check() runs its rounds.

@@ -124,7 +124,11 @@ def whole_book_gradings(request, tmp_path_factory):
     started together in the background, two at a time: only those of the tests that will run."""
     wanted = {item.name for item in request.session.items if item.module is request.module}
     key = "test_answer_key_passes_through_the_student_path"
-    key_dir = _answer_key(tmp_path_factory.mktemp("answer_key")) if key in wanted else None
+    key_dir = (
+        make_stubs.write_files(make_stubs.expected_files(solutions=True), tmp_path_factory.mktemp("answer_key"))
+        if key in wanted
+        else None
+    )
     runs = {
         "test_untouched_stubs_fail_with_their_message": lambda: grade.grade("student"),
         "test_reference_passes_every_exercise_test": lambda: grade.grade("reference"),
@@ -134,14 +138,6 @@ def whole_book_gradings(request, tmp_path_factory):
     futures: dict[str, Future] = {name: pool.submit(run) for name, run in runs.items() if name in wanted}
     yield futures
     pool.shutdown(cancel_futures=True)
-
-
-def _answer_key(folder: Path) -> Path:
-    """``folder``, holding the answer key: stub files whose functions are the reference's."""
-    for rel, text in make_stubs.expected_files(solutions=True).items():
-        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-        (folder / rel).write_text(text)
-    return folder
 
 
 @pytest.mark.slow
@@ -355,9 +351,7 @@ def test_an_answer_passes_while_the_exercises_it_calls_are_unfinished(tmp_path):
             hints = make_stubs.registry_extras(EXERCISES / ex.chapter)[0]
             stubs = [make_stubs.stub_source(s, hints.get(s.id, "")) for s in _siblings_called(ex)]
             files[rel] = files[rel] + "\n\n" + "\n\n".join(stubs)
-        for rel, text in files.items():
-            (tmp_path / f"round{r}" / rel).parent.mkdir(parents=True, exist_ok=True)
-            (tmp_path / f"round{r}" / rel).write_text(text)
+        make_stubs.write_files(files, tmp_path / f"round{r}")
         by_id = {ex.id: ex for ex in batch}
         for s in grade.grade("student", exercises_dir=tmp_path / f"round{r}", ids=list(by_id)):
             if s.total == 0 or s.passed < s.total:
