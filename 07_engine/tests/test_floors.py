@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 import bench
-from floors import Floors, ModelFootprint, measure_gemm_rate, measure_read_bandwidth, model_footprint
+import floors
+from floors import Floors, ModelFootprint, linear_kernels, measure_gemm_rate, measure_read_bandwidth, model_footprint
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -69,6 +71,38 @@ def test_the_rates_are_measured_and_bad_sizes_are_refused():
         measure_read_bandwidth(0, torch.float32)
     with pytest.raises(ValueError, match="shapes"):
         measure_gemm_rate({}, torch.float32)
+
+
+@settings(max_examples=12, derandomize=True, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    rows=st.integers(1, 40),
+    out_features=st.integers(1, 70),
+    in_features=st.integers(1, 70),
+)
+def test_every_kernel_the_gemm_floor_may_take_computes_the_same_product(dtype, rows, out_features, in_features):
+    generator = torch.Generator().manual_seed(rows * 10_000 + out_features * 100 + in_features)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    expected = x.float() @ weight.float().T
+    kernels = linear_kernels(weight)
+    assert set(kernels) == {"F.linear", "the engine's linear"}
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for name, kernel in kernels.items():
+        torch.testing.assert_close(kernel(x).float(), expected, rtol=tolerance, atol=tolerance, msg=name)
+
+
+def test_the_gemm_rate_takes_the_fastest_kernel_at_each_shape(monkeypatch):
+    # Two fake kernels, one 10 ms and one 50 ms a call: the rate must be the 10 ms one's, whichever
+    # comes first, so a slow F.linear cannot lower a floor the engine's own GEMM reaches.
+    def kernels(weight):
+        slow, fast = (lambda x: time.sleep(0.05)), (lambda x: time.sleep(0.01))
+        return {"slow": slow, "fast": fast} if weight.shape[0] == 8 else {"fast": fast, "slow": slow}
+
+    monkeypatch.setattr(floors, "linear_kernels", kernels)
+    rate = measure_gemm_rate({(8, 4): 1, (16, 4): 1}, torch.float32, rows=2, repeats=2)
+    flops = 2.0 * 2 * 4 * (8 + 16)
+    assert flops / 0.04 < rate <= flops / 0.02  # a slow kernel at either shape: <= flops / 0.06
 
 
 def test_bench_gives_every_row_as_a_fraction_of_the_workloads_floor(monkeypatch, capsys, tmp_path):
