@@ -25,6 +25,15 @@ One measured run of this load moves by about 7 % from run to run on a shared 2-c
 ``seed + 2`` on: every server gets the same ones, and none has them in its prefix cache), and
 the table gives each server's median round, with every round's tok/s under it.
 
+The VM's own speed drifts too: three such runs within an hour gave one server 92-96 and the other
+58-72 tok/s, their ratio 1.28x, 1.62x and 1.33x (07_engine/topics/performance.md). With
+``--interleave`` every server starts and warms up first, and then they take turns, round by round,
+so each round of ours sits minutes from the same round of vLLM's and a drift slows both alike;
+the servers not being measured wait idle, holding their memory. The verdict then also gives the
+ratio of every round to its pair::
+
+    .venv/bin/python 07_engine/benchmarks/bench_serving.py --rounds 3 --interleave
+
 ``--max-num-batched-tokens N ...`` runs our server once per token budget, the prompt tokens a
 step may carry beside the decodes: a larger one prefills a burst of prompts in fewer steps (the
 last prompt's first token comes sooner) and holds every decoder longer in each of them. With
@@ -36,6 +45,7 @@ last prompt's first token comes sooner) and holds every decoder longer in each o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -158,27 +168,70 @@ def median_round(reports: list[dict]) -> dict:
     return median
 
 
+def warm_up(server: ServerProcess, python: Path, model_dir: str, args: argparse.Namespace, tag: str) -> str:
+    """Run the warm-up load against ``server`` (other prompts: seed + 1); its served model name."""
+    name = served_model(server.url)
+    print(f"\n== {tag}: warm-up ({args.warmup_prompts} prompts, seed {args.seed + 1})", flush=True)
+    run_client(python, client_flags(server.url, name, model_dir, args, args.seed + 1, args.warmup_prompts, None))
+    return name
+
+
+def measured_round(
+    server: ServerProcess,
+    name: str,
+    python: Path,
+    model_dir: str,
+    args: argparse.Namespace,
+    watch: LoadWatch,
+    tmp: Path,
+    tag: str,
+    index: int,
+) -> dict:
+    """Measured round ``index`` against a warm ``server`` (after waiting for quiet): vLLM's result,
+    with the load around it under ``load``."""
+    seed = round_seeds(args.seed, args.rounds)[index]
+    result = tmp / f"{tag.replace(' ', '_')}_{index}.json"
+    print(f"\n== {tag}: measured run {index + 1}/{args.rounds} ({args.num_prompts} prompts, seed {seed})", flush=True)
+    watch.before()
+    run_client(python, client_flags(server.url, name, model_dir, args, seed, args.num_prompts, result))
+    watch.after()
+    report = json.loads(result.read_text())
+    report["load"] = watch.records[-1]
+    return report
+
+
 def measure(
     server: ServerProcess, python: Path, model_dir: str, args: argparse.Namespace, watch: LoadWatch, tmp: Path, tag: str
 ) -> dict:
     """Warm ``server`` up on other prompts, then run the measured load ``args.rounds`` times, each
     after waiting for quiet; vLLM's result of the median round (:func:`median_round`)."""
-    reports = []
     with server:
-        name = served_model(server.url)
-        print(f"\n== {tag}: warm-up ({args.warmup_prompts} prompts, seed {args.seed + 1})", flush=True)
-        run_client(python, client_flags(server.url, name, model_dir, args, args.seed + 1, args.warmup_prompts, None))
-        for i, seed in enumerate(round_seeds(args.seed, args.rounds)):
-            result = tmp / f"{tag.replace(' ', '_')}_{i}.json"
-            runs = f"measured run {i + 1}/{args.rounds}"
-            print(f"\n== {tag}: {runs} ({args.num_prompts} prompts, seed {seed})", flush=True)
-            watch.before()
-            run_client(python, client_flags(server.url, name, model_dir, args, seed, args.num_prompts, result))
-            watch.after()
-            report = json.loads(result.read_text())
-            report["load"] = watch.records[-1]
-            reports.append(report)
+        name = warm_up(server, python, model_dir, args, tag)
+        reports = [
+            measured_round(server, name, python, model_dir, args, watch, tmp, tag, i) for i in range(args.rounds)
+        ]
     return median_round(reports)
+
+
+def measure_interleaved(
+    servers: dict[str, ServerProcess],
+    python: Path,
+    model_dir: str,
+    args: argparse.Namespace,
+    watch: LoadWatch,
+    tmp: Path,
+) -> dict[str, dict]:
+    """Start and warm up every server, then measure them in turns, round by round (``--interleave``);
+    each server's median round, as :func:`measure` gives it."""
+    with contextlib.ExitStack() as running:
+        for server in servers.values():
+            running.enter_context(server)
+        names = {tag: warm_up(server, python, model_dir, args, tag) for tag, server in servers.items()}
+        reports: dict[str, list[dict]] = {tag: [] for tag in servers}
+        for index in range(args.rounds):
+            for tag, server in servers.items():
+                reports[tag].append(measured_round(server, names[tag], python, model_dir, args, watch, tmp, tag, index))
+    return {tag: median_round(rounds) for tag, rounds in reports.items()}
 
 
 def print_table(results: dict[str, dict], floor: float | None = None) -> None:
@@ -223,7 +276,17 @@ def verdict(results: dict[str, dict]) -> dict:
         "p99_ttft_ms": [round(ours["p99_ttft_ms"], 1), round(best["p99_ttft_ms"], 1)],
         "throughput_target_1_5x_met": ours["output_throughput"] >= 1.5 * best["output_throughput"],
         "p99_ttft_no_worse": ours["p99_ttft_ms"] <= best["p99_ttft_ms"],
+        **round_ratios(ours, best),
     }
+
+
+def round_ratios(ours: dict, peer: dict) -> dict:
+    """``{"round_ratios": [...]}``, our tok/s over the peer's round by round, where both ran the
+    same rounds (``--rounds`` above one); else ``{}``."""
+    mine, theirs = ours.get("round_throughputs", []), peer.get("round_throughputs", [])
+    if len(mine) < 2 or len(mine) != len(theirs):
+        return {}
+    return {"round_ratios": [round(a / b, 3) for a, b in zip(mine, theirs, strict=True)]}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -257,6 +320,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_peer_args(parser, "vLLM server thread layouts to run")
     parser.add_argument("--ours-only", action="store_true", help="run our server(s) only: no vllm serve, no ratio")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every server first, then measure them in turns, round by round (the rest idle)",
+    )
     parser.add_argument(
         "--startup-timeout-s",
         type=float,
@@ -305,8 +373,11 @@ def main(argv: list[str] | None = None) -> dict:
         )
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
-        for name, server in servers.items():
-            results[name] = measure(server, python, model_dir, args, watch, Path(tmp), name)
+        if args.interleave:
+            results = measure_interleaved(servers, python, model_dir, args, watch, Path(tmp))
+        else:
+            for name, server in servers.items():
+                results[name] = measure(server, python, model_dir, args, watch, Path(tmp), name)
     print(
         f"\nvllm bench serve: {args.num_prompts} prompts of {args.input_len} random tokens, {args.output_len} "
         f"new, max concurrency {args.max_concurrency}, ignore_eos, streaming, {args.dtype}"
@@ -321,6 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"\nour server / {check['against']}: {check['throughput_ratio']:.2f}x output tok/s; "
             f"p99 TTFT {check['p99_ttft_ms'][0]:.0f} vs {check['p99_ttft_ms'][1]:.0f} ms"
         )
+        if "round_ratios" in check:
+            print("round by round: " + ", ".join(f"{r:.2f}x" for r in check["round_ratios"]))
     report = {
         "machine": machine_info(load_before),
         "vllm_python": str(python),
@@ -334,6 +407,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "warmup_prompts",
                 "seed",
                 "rounds",
+                "interleave",
                 "dtype",
             )
         },

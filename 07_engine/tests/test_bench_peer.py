@@ -274,6 +274,50 @@ def test_bench_serving_measures_every_round_against_one_warm_server(monkeypatch,
         bench_serving.parse_args(["--rounds", "0"])
 
 
+def test_bench_serving_interleaved_servers_take_turns_round_by_round(monkeypatch, tmp_path):
+    import bench_serving
+
+    calls = []
+    rates = {("ours", 0): 90.0, ("ours", 2): 100.0, ("ours", 3): 80.0, ("peer", 0): 60.0, ("peer", 2): 50.0}
+    rates[("peer", 3)] = 40.0
+
+    def fake_client(python, flags):
+        url, seed = flags[flags.index("--base-url") + 1], int(flags[flags.index("--seed") + 1])
+        calls.append((url, seed))
+        if "--save-result" in flags:
+            result = Path(flags[flags.index("--result-dir") + 1]) / flags[flags.index("--result-filename") + 1]
+            figures = {key: 1.0 for _, key in bench_serving.METRICS}
+            result.write_text(json.dumps({**figures, "output_throughput": rates[(url, seed)]}))
+
+    class FakeServer:
+        def __init__(self, url):
+            self.url = url
+
+        def __enter__(self):
+            calls.append(("up", self.url))
+            return self
+
+        def __exit__(self, *exc):
+            calls.append(("down", self.url))
+
+    monkeypatch.setattr(bench_serving, "run_client", fake_client)
+    monkeypatch.setattr(bench_serving, "served_model", lambda url: "m")
+    args = bench_serving.parse_args(["--rounds", "3", "--interleave"])
+    servers = {"our server": FakeServer("ours"), "vllm serve (all-cores-bound)": FakeServer("peer")}
+    results = bench_serving.measure_interleaved(servers, Path("py"), "model", args, bench.LoadWatch(), tmp_path)
+    # Both up and warm before any measured round; then the rounds alternate, the same seed in a pair.
+    assert calls == [
+        ("up", "ours"), ("up", "peer"), ("ours", 1), ("peer", 1),
+        ("ours", 0), ("peer", 0), ("ours", 2), ("peer", 2), ("ours", 3), ("peer", 3),
+        ("down", "peer"), ("down", "ours"),
+    ]  # fmt: skip
+    assert results["our server"]["round_throughputs"] == [90.0, 100.0, 80.0]
+    check = bench_serving.verdict(results)
+    assert check["throughput_ratio"] == 1.8 and check["round_ratios"] == [1.5, 2.0, 2.0]
+    one_round = {k: {**r, "round_throughputs": r["round_throughputs"][:1]} for k, r in results.items()}
+    assert "round_ratios" not in bench_serving.verdict(one_round)
+
+
 # ---- bench.py --gpu beside nano-vllm: the runner's wiring, with a stand-in for nano-vllm's source
 
 # nano-vllm's public surface as its bench.py uses it; the model directory records what LLM got.
