@@ -28,9 +28,11 @@ the table gives each server's median round, with every round's tok/s under it.
 The VM's own speed drifts too: three such runs within an hour gave one server 92-96 and the other
 58-72 tok/s, their ratio 1.28x, 1.62x and 1.33x (07_engine/topics/performance.md). With
 ``--interleave`` every server starts and warms up first, and then they take turns, round by round,
-so each round of ours sits minutes from the same round of vLLM's and a drift slows both alike;
-the servers not being measured wait idle, holding their memory. The verdict then also gives the
-ratio of every round to its pair::
+so each round of ours sits minutes from the same round of vLLM's and a drift slows both alike.
+The servers not being measured are stopped (SIGSTOP, every process of theirs), holding their
+memory but no CPU: left idle, vLLM's worker polled at 1.5-2 % of a core, and a wakeup on a core
+delays one of the measured server's threads while the other waits for it. The verdict then also
+gives the ratio of every round to its pair::
 
     .venv/bin/python 07_engine/benchmarks/bench_serving.py --rounds 3 --interleave
 
@@ -48,6 +50,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -213,6 +216,27 @@ def measure(
     return median_round(reports)
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process descended from it, read from ``/proc`` (Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # a process that ended while we looked
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def hold(server: ServerProcess, running: bool) -> None:
+    """Continue (SIGCONT) or stop (SIGSTOP) every process of a started ``server``."""
+    for pid in process_tree(server.proc.pid) if server.proc is not None else []:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT if running else signal.SIGSTOP)
+
+
 def measure_interleaved(
     servers: dict[str, ServerProcess],
     python: Path,
@@ -221,16 +245,25 @@ def measure_interleaved(
     watch: LoadWatch,
     tmp: Path,
 ) -> dict[str, dict]:
-    """Start and warm up every server, then measure them in turns, round by round (``--interleave``);
-    each server's median round, as :func:`measure` gives it."""
-    with contextlib.ExitStack() as running:
+    """Start and warm up every server, then measure them in turns, round by round (``--interleave``),
+    the others stopped (:func:`hold`) while one runs; each server's median round, as
+    :func:`measure` gives it."""
+
+    def turn(tag: str) -> ServerProcess:
+        for other, server in servers.items():
+            hold(server, running=other == tag)
+        return servers[tag]
+
+    with contextlib.ExitStack() as started:
         for server in servers.values():
-            running.enter_context(server)
-        names = {tag: warm_up(server, python, model_dir, args, tag) for tag, server in servers.items()}
+            started.enter_context(server)
+        started.callback(lambda: [hold(server, running=True) for server in servers.values()])  # before they exit
+        names = {tag: warm_up(turn(tag), python, model_dir, args, tag) for tag in servers}
         reports: dict[str, list[dict]] = {tag: [] for tag in servers}
         for index in range(args.rounds):
-            for tag, server in servers.items():
-                reports[tag].append(measured_round(server, names[tag], python, model_dir, args, watch, tmp, tag, index))
+            for tag in servers:
+                report = measured_round(turn(tag), names[tag], python, model_dir, args, watch, tmp, tag, index)
+                reports[tag].append(report)
     return {tag: median_round(rounds) for tag, rounds in reports.items()}
 
 
@@ -323,7 +356,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--interleave",
         action="store_true",
-        help="start every server first, then measure them in turns, round by round (the rest idle)",
+        help="start every server first, then measure them in turns, round by round (the rest stopped)",
     )
     parser.add_argument(
         "--startup-timeout-s",

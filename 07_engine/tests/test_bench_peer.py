@@ -7,8 +7,10 @@ real run needs ``.venv-vllm`` (``07_engine/benchmarks/make_vllm_venv.sh``) and s
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -300,15 +302,23 @@ def test_bench_serving_interleaved_servers_take_turns_round_by_round(monkeypatch
         def __exit__(self, *exc):
             calls.append(("down", self.url))
 
+    def fake_hold(server, running):
+        if not running:
+            calls.append(("stop", server.url))
+
     monkeypatch.setattr(bench_serving, "run_client", fake_client)
     monkeypatch.setattr(bench_serving, "served_model", lambda url: "m")
+    monkeypatch.setattr(bench_serving, "hold", fake_hold)
     args = bench_serving.parse_args(["--rounds", "3", "--interleave"])
     servers = {"our server": FakeServer("ours"), "vllm serve (all-cores-bound)": FakeServer("peer")}
     results = bench_serving.measure_interleaved(servers, Path("py"), "model", args, bench.LoadWatch(), tmp_path)
-    # Both up and warm before any measured round; then the rounds alternate, the same seed in a pair.
+    # Both up and warm before any measured round; then the rounds alternate, the same seed in a
+    # pair, and whichever server is not being measured is stopped.
     assert calls == [
-        ("up", "ours"), ("up", "peer"), ("ours", 1), ("peer", 1),
-        ("ours", 0), ("peer", 0), ("ours", 2), ("peer", 2), ("ours", 3), ("peer", 3),
+        ("up", "ours"), ("up", "peer"), ("stop", "peer"), ("ours", 1), ("stop", "ours"), ("peer", 1),
+        ("stop", "peer"), ("ours", 0), ("stop", "ours"), ("peer", 0),
+        ("stop", "peer"), ("ours", 2), ("stop", "ours"), ("peer", 2),
+        ("stop", "peer"), ("ours", 3), ("stop", "ours"), ("peer", 3),
         ("down", "peer"), ("down", "ours"),
     ]  # fmt: skip
     assert results["our server"]["round_throughputs"] == [90.0, 100.0, 80.0]
@@ -316,6 +326,37 @@ def test_bench_serving_interleaved_servers_take_turns_round_by_round(monkeypatch
     assert check["throughput_ratio"] == 1.8 and check["round_ratios"] == [1.5, 2.0, 2.0]
     one_round = {k: {**r, "round_throughputs": r["round_throughputs"][:1]} for k, r in results.items()}
     assert "round_ratios" not in bench_serving.verdict(one_round)
+
+
+def test_bench_serving_holds_a_server_and_every_process_under_it():
+    import bench_serving
+
+    def states(pids, wanted):  # a signal lands a moment after kill() returns
+        deadline = time.monotonic() + 10
+        while True:
+            found = [Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] for pid in pids]
+            if all(state in wanted for state in found) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.02)
+
+    # A server stand-in whose child starts a grandchild, as vLLM's API server starts its engine.
+    sleeper = "import time; time.sleep(60)"
+    grandchild = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {sleeper!r}]); time.sleep(60)"
+    server = type("Server", (), {})()
+    server.proc = subprocess.Popen([sys.executable, "-c", grandchild])
+    try:
+        deadline = time.monotonic() + 10
+        while len(tree := bench_serving.process_tree(server.proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(tree) == 2 and tree[0] == server.proc.pid
+        bench_serving.hold(server, running=False)
+        assert states(tree, "T") == ["T", "T"]
+        bench_serving.hold(server, running=True)
+        assert all(state in "RS" for state in states(tree, "RS"))
+    finally:
+        for pid in reversed(bench_serving.process_tree(server.proc.pid)):
+            os.kill(pid, signal.SIGKILL)
+        server.proc.wait(5)
 
 
 # ---- bench.py --gpu beside nano-vllm: the runner's wiring, with a stand-in for nano-vllm's source
