@@ -30,8 +30,7 @@ The VM's own speed drifts too: three such runs within an hour gave one server 92
 ``--interleave`` every server starts and warms up first, and then they take turns, round by round,
 so each round of ours sits minutes from the same round of vLLM's and a drift slows both alike.
 The servers not being measured are stopped (SIGSTOP, every process of theirs), holding their
-memory but no CPU: left idle, vLLM's worker polled at 1.5-2 % of a core, and a wakeup on a core
-delays one of the measured server's threads while the other waits for it. The verdict then also
+memory but no CPU (left idle, vLLM's worker polled at 1.5-2 % of a core). The verdict then also
 gives the ratio of every round to its pair::
 
     .venv/bin/python 07_engine/benchmarks/bench_serving.py --rounds 3 --interleave
