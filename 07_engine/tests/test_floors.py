@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 import bench
-import floors
 from floors import Floors, ModelFootprint, linear_kernels, measure_gemm_rate, measure_read_bandwidth, model_footprint
 
 
@@ -99,7 +98,7 @@ def test_the_gemm_rate_takes_the_fastest_kernel_at_each_shape(monkeypatch):
         slow, fast = (lambda x: time.sleep(0.05)), (lambda x: time.sleep(0.01))
         return {"slow": slow, "fast": fast} if weight.shape[0] == 8 else {"fast": fast, "slow": slow}
 
-    monkeypatch.setattr(floors, "linear_kernels", kernels)
+    monkeypatch.setattr("floors.linear_kernels", kernels)
     rate = measure_gemm_rate({(8, 4): 1, (16, 4): 1}, torch.float32, rows=2, repeats=2)
     flops = 2.0 * 2 * 4 * (8 + 16)
     assert flops / 0.04 < rate <= flops / 0.02  # a slow kernel at either shape: <= flops / 0.06
