@@ -15,8 +15,8 @@ Two floors bound a generation workload from below, in time:
   every sampled row ``2 * head_params`` in the LM head (attention, norms and the rest are extra).
   Measured: the rate at the model's own weight shapes, ``GEMM_ROWS`` rows, in the model's dtype,
   of the faster at each shape of ``F.linear`` and the engine's own linear layer (its GEMM where
-  the CPU runs one: on an AVX2 CPU in float32 that GEMM is 10-25 % faster than ``F.linear``, whose
-  rate alone would put the floor below what the machine does).
+  the CPU runs one: on an AVX2 CPU in float32, at 2,048 rows, 10-30 % faster than ``F.linear``,
+  whose rate alone would put the floor below what the machine does).
 
 The floor of a workload is the larger of the two times; its output tokens over that time is the
 most tok/s this machine could give, and ``measured / floor`` is what a table reports beside it.
