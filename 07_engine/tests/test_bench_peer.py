@@ -328,6 +328,21 @@ def test_bench_serving_interleaved_servers_take_turns_round_by_round(monkeypatch
     assert "round_ratios" not in bench_serving.verdict(one_round)
 
 
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(
+    ours=st.lists(st.floats(1.0, 1000.0, allow_nan=False), max_size=6),
+    theirs=st.lists(st.floats(1.0, 1000.0, allow_nan=False), max_size=6),
+)
+def test_bench_serving_pairs_rounds_only_when_both_ran_the_same_several(ours, theirs):
+    import bench_serving
+
+    ratios = bench_serving.round_ratios({"round_throughputs": ours}, {"round_throughputs": theirs})
+    if len(ours) >= 2 and len(ours) == len(theirs):
+        assert ratios == {"round_ratios": [round(a / b, 3) for a, b in zip(ours, theirs, strict=True)]}
+    else:
+        assert ratios == {}
+
+
 def test_bench_serving_holds_a_server_and_every_process_under_it():
     import bench_serving
 
