@@ -310,36 +310,37 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
 
 // Causal attention of packed new tokens over their paged context (whole prompts, prompt chunks,
 // speculative verification), in one pass over the keys with an online softmax. A work item is a
-// tile of up to kLanes queries of one sequence that share a KV head (the group's heads of
-// consecutive rows), one query per lane: each run of kLanes keys is widened to float32 once for
-// the whole tile, a key's scores for all of it are one register (D FMAs, no horizontal sums), and
-// the softmax's max, exp and mask are whole-register operations. SDPA per sequence gathers, pads
-// and masks; the decode kernel run row by row widens every key once per query.
+// tile of queries of one sequence that share a KV head (the group's heads of consecutive rows),
+// one query per lane of one or two registers: each run of keys is widened to float32 once for the
+// whole tile, a key's scores for all of it are one register per kLanes queries (D FMAs, no
+// horizontal sums), and the softmax's max, exp and mask are whole-register operations. SDPA per
+// sequence gathers, pads and masks; the decode kernel run row by row widens every key once per
+// query.
 struct Tile {
   int64_t seq, kv_head, first_query, count;  // queries first_query .. + count of the sequence, in (row, head) order
   int64_t group_cost;  // keys x queries of the costliest tile of the sequence and KV head
 };
 
-// The tiles of each sequence and KV head together, the latest queries first, and those groups
-// costliest first. Together: a group's tiles read the same keys and values, which the first
-// leaves in L2 for the next (ordered by cost alone, four prompt chunks' tiles alternated between
-// the chunks and KV heads, each reading its keys back from L3).
+// The tiles of up to `width` queries of each sequence and KV head together, the latest queries
+// first, and those groups costliest first. Together: a group's tiles read the same keys and
+// values, which the first leaves in L2 for the next (ordered by cost alone, four prompt chunks'
+// tiles alternated between the chunks and KV heads, each reading its keys back from L3).
 // Costliest first: tiles late in a long prompt see many more keys than early ones, and handing
 // out the costliest first, to whichever thread is free, keeps the threads finishing together.
-inline std::vector<Tile> sorted_tiles(const int* cu_seqlens_q, const int* seq_lens_k, const Shape& s) {
+inline std::vector<Tile> sorted_tiles(const int* cu_seqlens_q, const int* seq_lens_k, const Shape& s, int64_t width) {
   const int64_t group = s.num_q_heads / s.num_kv_heads;
   std::vector<Tile> tiles;
   for (int64_t seq = 0; seq < s.num_seqs; ++seq) {
     const int64_t queries = (cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]) * group;
     if (queries == 0) continue;
     const int64_t context = seq_lens_k[seq] - queries / group;
-    const int64_t last_first = (queries - 1) / kLanes * kLanes;
-    auto count_of = [&](int64_t first) { return std::min<int64_t>(kLanes, queries - first); };
+    const int64_t last_first = (queries - 1) / width * width;
+    auto count_of = [&](int64_t first) { return std::min<int64_t>(width, queries - first); };
     int64_t group_cost = 0;
-    for (int64_t first = last_first; first >= 0; first -= kLanes)
+    for (int64_t first = last_first; first >= 0; first -= width)
       group_cost = std::max(group_cost, count_of(first) * (context + (first + count_of(first) - 1) / group + 1));
     for (int64_t kv_head = 0; kv_head < s.num_kv_heads; ++kv_head)
-      for (int64_t first = last_first; first >= 0; first -= kLanes)
+      for (int64_t first = last_first; first >= 0; first -= width)
         tiles.push_back({seq, kv_head, first, count_of(first), group_cost});
   }
   std::stable_sort(tiles.begin(), tiles.end(),
@@ -396,113 +397,167 @@ inline Vec mask_and_raise_max(Vec* scores, int64_t n, int64_t start, Vec last_ke
   return rescale;
 }
 
-template <typename T, int D>
-void varlen(const T* q, const T* k_cache, const T* v_cache, const int* block_tables, const int* cu_seqlens_q,
-            const int* seq_lens_k, T* out, const Shape& s, float scale) {
+// A register made opaque to the optimizer: -ffast-math would otherwise reassociate an FMA chain
+// into a tree of multiplies and adds, and fold a loaded register back into every FMA that uses it
+// (a load each, where the load ports, not the FMA units, then bound the loop).
+inline void in_register(Vec& x) {
+#if defined(__x86_64__)
+  asm("" : "+x"(x));
+#elif defined(__aarch64__)
+  asm("" : "+w"(x));
+#endif
+}
+
+// The varlen kernels' scratch, one per thread: the tile's queries transposed (element d of every
+// query), a run's keys and values widened to float32 (dtypes other than float32), the run's
+// softmax weights (key j, query lane i) and the tile's output sums.
+template <int D, int kRun, int kWidth>
+struct TileScratch {
+  alignas(64) float queries[D][kWidth];
+  alignas(64) float keys[kRun][D], values[kRun][D];
+  alignas(64) float weights[kRun][kWidth];
+  Vec acc[kWidth][D / kLanes];
+};
+
+// One tile of V * kLanes queries (V registers a query element) against its keys, kRun keys a step
+// of the online softmax. Scores: a key element broadcast once serves V FMAs, 8 / V keys at a time
+// (eight independent sums to cover the FMA latency). Weighted values: a value register loaded
+// once serves two query lanes.
+template <int V, typename T, int D, int kRun, int kWidth>
+void attend_tile(const TileItem& item, const T* q, const T* k_cache, const T* v_cache, const int* cu_seqlens_q,
+                 T* out, const Shape& s, float scale, TileScratch<D, kRun, kWidth>& scratch) {
   constexpr int C = D / kLanes;
+  constexpr int kKeys = 8 / V;  // keys scored together
+  static_assert(kRun % kKeys == 0 && V * kLanes <= kWidth);
   constexpr float kMasked = std::numeric_limits<float>::lowest();  // finite: -ffast-math assumes no infinities
+  const auto& [tile, kv_head, context, table] = item;
   const int64_t group = s.num_q_heads / s.num_kv_heads;
   const int64_t token_stride = s.num_kv_heads * D;
   const int64_t block_stride = s.block_size * token_stride;
-  const std::vector<Tile> tiles = sorted_tiles(cu_seqlens_q, seq_lens_k, s);
+  auto& [queries, keys, values, weights, acc] = scratch;
+  // Lane i of register v sees the keys at positions <= last_key[v][i]; unused lanes see none.
+  Vec last_key[V];
+  for (int v = 0; v < V; ++v) {
+    float last_key_of[kLanes];
+    for (int i = 0; i < kLanes; ++i) {
+      const int64_t l = v * kLanes + i;
+      Vec row[C] = {};
+      if (l < tile.count) load_row<D>(q + query_offset(tile, l, kv_head, cu_seqlens_q, s, D), row);
+      const auto elements = bit_cast<std::array<float, D>>(row);  // load_row's order, as the keys'
+      for (int d = 0; d < D; ++d) queries[d][l] = elements[d] * scale;
+      last_key_of[i] = l < tile.count ? static_cast<float>(context + (tile.first_query + l) / group) : -1.f;
+      for (int c = 0; c < C; ++c) acc[l][c] = Vec{};
+    }
+    last_key[v] = bit_cast<Vec>(last_key_of);
+  }
+  Vec max_score[V], total[V];
+  for (int v = 0; v < V; ++v) max_score[v] = Vec{} + kMasked, total[v] = Vec{};
+  const int64_t keys_seen = context + (tile.first_query + tile.count - 1) / group + 1;  // by the last lane
+  int64_t block = 0, in_block = 0;  // where the run's first key lies in the sequence's blocks
+  for (int64_t start = 0; start < keys_seen; start += kRun) {
+    const int64_t n = std::min<int64_t>(kRun, keys_seen - start);
+    // float32 rows are read where they lie in the cache, not copied to the stack first: the copy
+    // was a store and a load more for every element (the chapter's README has the figures).
+    const float* key_rows[kRun];
+    const float* value_rows[kRun];
+    for (int64_t j = 0, b = block, i = in_block; j < kRun; ++j) {
+      const int64_t offset = table[b] * block_stride + i * token_stride + kv_head * D;
+      if constexpr (std::is_same_v<T, float>) {
+        key_rows[j] = k_cache + offset;
+        value_rows[j] = v_cache + offset;
+      } else {
+        load_row<D>(k_cache + offset, *reinterpret_cast<Vec(*)[C]>(keys[j]));
+        load_row<D>(v_cache + offset, *reinterpret_cast<Vec(*)[C]>(values[j]));
+        key_rows[j] = keys[j];
+        value_rows[j] = values[j];
+      }
+      if (j + 1 < n && ++i == s.block_size) i = 0, ++b;  // rows past n repeat the last; masked
+    }
+    for (in_block += kRun; in_block >= s.block_size; in_block -= s.block_size) ++block;
+
+    Vec scores[V][kRun];
+    for (int j = 0; j < kRun; j += kKeys) {
+      Vec sums[kKeys][V] = {};
+#pragma GCC unroll 64
+      for (int d = 0; d < D; ++d) {
+        Vec query[V];
+        for (int v = 0; v < V; ++v) {
+          query[v] = *reinterpret_cast<const Vec*>(queries[d] + v * kLanes);
+          in_register(query[v]);
+        }
+#pragma GCC unroll 8
+        for (int k = 0; k < kKeys; ++k)
+          for (int v = 0; v < V; ++v) {
+            sums[k][v] += key_rows[j + k][d] * query[v];
+            in_register(sums[k][v]);
+          }
+      }
+      for (int k = 0; k < kKeys; ++k)
+        for (int v = 0; v < V; ++v) scores[v][j + k] = sums[k][v];
+    }
+    float rescale_of[V * kLanes];
+    for (int v = 0; v < V; ++v) {
+      const Vec rescale = mask_and_raise_max(scores[v], n, start, last_key[v], max_score[v], kMasked);
+      total[v] *= rescale;
+      std::memcpy(rescale_of + v * kLanes, &rescale, sizeof(rescale));
+      for (int64_t j = 0; j < n; ++j) {
+        const Vec p = exp_lanes(scores[v][j] - max_score[v]);
+        total[v] += p;
+        std::memcpy(weights[j] + v * kLanes, &p, sizeof(p));
+      }
+    }
+    // Two lanes at a time, a few registers of each lane's sums at a time: every sum stays in a
+    // register (all C of two lanes would not fit AVX2's 16).
+    constexpr int kPart = C < 4 ? C : 4;
+    for (int64_t l = 0; l < tile.count; l += 2) {
+      for (int part = 0; part < C; part += kPart) {
+        Vec a[kPart], b[kPart];
+#pragma GCC unroll 16
+        for (int c = 0; c < kPart; ++c) {
+          a[c] = acc[l][part + c] * rescale_of[l];
+          b[c] = acc[l + 1][part + c] * rescale_of[l + 1];
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          const float wa = weights[j][l], wb = weights[j][l + 1];
+#pragma GCC unroll 16
+          for (int c = 0; c < kPart; ++c) {
+            Vec value = load_vec(value_rows[j] + (part + c) * kLanes);
+            in_register(value);
+            a[c] += wa * value;
+            b[c] += wb * value;
+            in_register(a[c]);
+            in_register(b[c]);
+          }
+        }
+#pragma GCC unroll 16
+        for (int c = 0; c < kPart; ++c) {
+          acc[l][part + c] = a[c];
+          acc[l + 1][part + c] = b[c];
+        }
+      }
+    }
+  }
+  float total_of[V * kLanes];
+  std::memcpy(total_of, total, sizeof(total));
+  for (int64_t l = 0; l < tile.count; ++l)
+    store_row<D>(acc[l], 1.f / total_of[l], out + query_offset(tile, l, kv_head, cu_seqlens_q, s, D));
+}
+
+template <typename T, int D>
+void varlen(const T* q, const T* k_cache, const T* v_cache, const int* block_tables, const int* cu_seqlens_q,
+            const int* seq_lens_k, T* out, const Shape& s, float scale) {
+  constexpr int kRun = 16, kWidth = 2 * kLanes;
+  const std::vector<Tile> tiles = sorted_tiles(cu_seqlens_q, seq_lens_k, s, kWidth);
   const int64_t num_items = static_cast<int64_t>(tiles.size());
   std::atomic<int64_t> next_item{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    alignas(64) float queries[D][kLanes];  // element d of every query of the tile
-    alignas(64) float keys[kLanes][D], values[kLanes][D];  // a run's rows widened to float32 (other dtypes)
-    alignas(64) float weights[kLanes][kLanes];  // softmax weight of key j for lane i
-    Vec acc[kLanes][C];
-    for (int64_t item; (item = next_item.fetch_add(1)) < num_items;) {
-      const auto [tile, kv_head, context, table] = tile_item(item, tiles, cu_seqlens_q, seq_lens_k, block_tables, s);
-      // Lane i sees the keys at positions <= last_key[i]; unused lanes see none and are not stored.
-      float last_key_of[kLanes];
-      for (int l = 0; l < kLanes; ++l) {
-        Vec row[C] = {};
-        if (l < tile.count) load_row<D>(q + query_offset(tile, l, kv_head, cu_seqlens_q, s, D), row);
-        const auto elements = bit_cast<std::array<float, D>>(row);  // load_row's order, as the keys'
-        for (int d = 0; d < D; ++d) queries[d][l] = elements[d] * scale;
-        last_key_of[l] = l < tile.count ? static_cast<float>(context + (tile.first_query + l) / group) : -1.f;
-        for (int c = 0; c < C; ++c) acc[l][c] = Vec{};
-      }
-      const Vec last_key = bit_cast<Vec>(last_key_of);
-      Vec max_score = Vec{} + kMasked, total = Vec{};
-      const int64_t keys_seen = context + (tile.first_query + tile.count - 1) / group + 1;  // by the last lane
-      for (int64_t start = 0; start < keys_seen; start += kLanes) {
-        const int64_t n = std::min<int64_t>(kLanes, keys_seen - start);
-        // float32 rows are read where they lie in the cache, not copied to the stack first: the copy
-        // was a store and a load more for every element (the chapter's README has the figures).
-        const float* key_rows[kLanes];
-        const float* value_rows[kLanes];
-        for (int64_t j = 0; j < kLanes; ++j) {
-          const int64_t pos = start + std::min<int64_t>(j, n - 1);  // rows past n repeat the last; masked
-          const int64_t offset =
-              table[pos / s.block_size] * block_stride + pos % s.block_size * token_stride + kv_head * D;
-          if constexpr (std::is_same_v<T, float>) {
-            key_rows[j] = k_cache + offset;
-            value_rows[j] = v_cache + offset;
-          } else {
-            load_row<D>(k_cache + offset, *reinterpret_cast<Vec(*)[C]>(keys[j]));
-            load_row<D>(v_cache + offset, *reinterpret_cast<Vec(*)[C]>(values[j]));
-            key_rows[j] = keys[j];
-            value_rows[j] = values[j];
-          }
-        }
-        // Four keys at a time, two chains each: a query register loaded once serves four FMAs,
-        // and eight independent sums keep the FMA units busy. Rows past n are scored and masked.
-        Vec scores[kLanes];
-        for (int j = 0; j < kLanes; j += 4) {
-          Vec even[4] = {}, odd[4] = {};
-#pragma GCC unroll 64
-          for (int d = 0; d < D; d += 2) {
-            const Vec q_even = *reinterpret_cast<const Vec*>(queries[d]);
-            const Vec q_odd = *reinterpret_cast<const Vec*>(queries[d + 1]);
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; ++k) {
-              even[k] += key_rows[j + k][d] * q_even;
-              odd[k] += key_rows[j + k][d + 1] * q_odd;
-            }
-          }
-          for (int k = 0; k < 4; ++k) scores[j + k] = even[k] + odd[k];
-        }
-        const Vec rescale = mask_and_raise_max(scores, n, start, last_key, max_score, kMasked);
-        total *= rescale;
-        for (int64_t j = 0; j < n; ++j) {
-          const Vec p = exp_lanes(scores[j] - max_score);
-          total += p;
-          std::memcpy(weights[j], &p, sizeof(p));
-        }
-        // Two lanes at a time, a few registers of each lane's sums at a time: every sum stays in a
-        // register (all C of two lanes would not fit AVX2's 16), and a value register loaded once
-        // serves both lanes.
-        constexpr int kPart = C < 4 ? C : 4;
-        const auto rescale_of = bit_cast<std::array<float, kLanes>>(rescale);
-        for (int64_t l = 0; l < tile.count; l += 2) {
-          for (int part = 0; part < C; part += kPart) {
-            Vec a[kPart], b[kPart];
-#pragma GCC unroll 16
-            for (int c = 0; c < kPart; ++c) {
-              a[c] = acc[l][part + c] * rescale_of[l];
-              b[c] = acc[l + 1][part + c] * rescale_of[l + 1];
-            }
-            for (int64_t j = 0; j < n; ++j) {
-              const float wa = weights[j][l], wb = weights[j][l + 1];
-#pragma GCC unroll 16
-              for (int c = 0; c < kPart; ++c) {
-                const Vec v = load_vec(value_rows[j] + (part + c) * kLanes);
-                a[c] += wa * v;
-                b[c] += wb * v;
-              }
-            }
-#pragma GCC unroll 16
-            for (int c = 0; c < kPart; ++c) {
-              acc[l][part + c] = a[c];
-              acc[l + 1][part + c] = b[c];
-            }
-          }
-        }
-      }
-      const auto total_of = bit_cast<std::array<float, kLanes>>(total);
-      for (int64_t l = 0; l < tile.count; ++l) store_row<D>(acc[l], 1.f / total_of[l], out + query_offset(tile, l, kv_head, cu_seqlens_q, s, D));
+    TileScratch<D, kRun, kWidth> scratch;
+    for (int64_t i; (i = next_item.fetch_add(1)) < num_items;) {
+      const TileItem item = tile_item(i, tiles, cu_seqlens_q, seq_lens_k, block_tables, s);
+      if (item.tile.count > kLanes)
+        attend_tile<2>(item, q, k_cache, v_cache, cu_seqlens_q, out, s, scale, scratch);
+      else
+        attend_tile<1>(item, q, k_cache, v_cache, cu_seqlens_q, out, s, scale, scratch);
     }
   });
 }
@@ -647,7 +702,7 @@ void varlen_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
   constexpr float kMasked = std::numeric_limits<float>::lowest();
   static const at::BFloat16 zero_row[D] = {};
   const int64_t group = s.num_q_heads / s.num_kv_heads;
-  const std::vector<Tile> tiles = sorted_tiles(cu_seqlens_q, seq_lens_k, s);
+  const std::vector<Tile> tiles = sorted_tiles(cu_seqlens_q, seq_lens_k, s, kLanes);
   const int64_t num_items = static_cast<int64_t>(tiles.size());
   std::atomic<int64_t> next_item{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
