@@ -88,6 +88,18 @@ def test_varlen_kernel_matches_dense_and_torch(dtype, num_q_heads, num_kv_heads)
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_kernel_every_tile_size_of_one_and_two_registers(dtype):
+    """Sequences of 1 to 33 new rows, one query head per KV head: every tile size from one query
+    to two registers (16 lanes with AVX2, 32 with AVX-512) and one past, so both tile widths and
+    their partial last tiles are met, over blocks of 5 that a run of 16 keys crosses several times."""
+    shapes = [(rows, rows + 7) for rows in range(1, 34)]
+    q, k_cache, v_cache, cu, lens, bt, ks, vs = varlen_batch(shapes, 2, 2, 64, 5, dtype, seed=5)
+    out = paged_attention_varlen_cpu(q, k_cache, v_cache, cu, lens, bt, 64**-0.5)
+    assert_varlen_matches_dense(out, q, cu, ks, vs, 64**-0.5, TOL_CPU[dtype])
+
+
+@needs_kernel
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_varlen_kernel_every_compiled_head_size(head_dim):
     q, k_cache, v_cache, cu, lens, bt, ks, vs = varlen_batch(
