@@ -731,8 +731,8 @@ void varlen_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
           offsets[j] = table[pos / s.block_size] * s.block_size * s.num_kv_heads * D +
                        pos % s.block_size * s.num_kv_heads * D + kv_head * D;
         }
-        // Four keys at a time, two chains each, as the float32 kernel; a broadcast pair of a key's
-        // elements against the tile's pairs of query elements.
+        // Four keys at a time, two chains each, eight sums against the FMA latency; a broadcast
+        // pair of a key's elements against the tile's pairs of query elements.
         Vec scores[kLanes];
         for (int64_t j = 0; j < n; j += 4) {
           __m512 even[4], odd[4];

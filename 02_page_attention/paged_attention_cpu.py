@@ -11,9 +11,9 @@ registers, in two kernels:
 * **decode** (one query per sequence): one work item per (sequence, query head); keys scored a
   register's worth at a time (sixteen with AVX-512), bfloat16 widened by two bit operations per
   two registers, the next block's keys prefetched.
-* **varlen** (prompts, chunks, verification): one work item per tile of up to a register's worth
-  of queries of one sequence that share a KV head, one query per lane, with an online softmax;
-  each run of keys is widened once for the whole tile.
+* **varlen** (prompts, chunks, verification): one work item per tile of up to two registers'
+  worth of queries of one sequence that share a KV head, one query per lane, with an online
+  softmax; each run of keys is widened once for the whole tile.
 
 Measured on the book's 2-core CPU, 2 threads, bfloat16, 9 query / 3 KV heads of 64 (the default
 model), block size 16 (medians of 7–9 runs):
