@@ -17,7 +17,8 @@ defaults (one core computes, one is reserved for its front end) and, with ``--vl
 with every usable core bound. The table gives output tok/s, TTFT p50 and p99, TPOT mean and ITL
 p99, with the machine and the load average around each measured run (``--quiet-below`` waits for
 a quiet machine first, as bench.py does), and each server's output tok/s as a fraction of the
-workload's floor, measured first in the same run (``floors.py``).
+workload's floor, measured in the same run before and after the servers, each rate the faster
+of the two probes (``floors.py``).
 
 One measured run of this load moves by about 7 % from run to run on a shared 2-core VM (225,
 238 and 207 tok/s from one server build within minutes): too much to judge a 1.5x target by.
@@ -388,8 +389,6 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = load_average()
     watch = LoadWatch(args.quiet_below, time.time() + 60 * args.quiet_timeout_min)
     floors = measure_floors(model_dir, resolve_dtype(args.dtype, "cpu"))
-    total_in, total_out = args.num_prompts * args.input_len, args.num_prompts * args.output_len
-    floor_tps = floors.tokens_per_s(total_in, total_out, args.num_prompts, args.output_len)
     ours = ["vllm_from_scratch.serve", model_dir, "--dtype", args.dtype, "--device", "cpu", "--log-level", "warning"]
     ours += ["--enforce-eager"] * args.enforce_eager
     servers = {
@@ -410,6 +409,9 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             for name, server in servers.items():
                 results[name] = measure(server, python, model_dir, args, watch, Path(tmp), name)
+    floors = floors.faster(measure_floors(model_dir, resolve_dtype(args.dtype, "cpu")))
+    total_in, total_out = args.num_prompts * args.input_len, args.num_prompts * args.output_len
+    floor_tps = floors.tokens_per_s(total_in, total_out, args.num_prompts, args.output_len)
     print(
         f"\nvllm bench serve: {args.num_prompts} prompts of {args.input_len} random tokens, {args.output_len} "
         f"new, max concurrency {args.max_concurrency}, ignore_eos, streaming, {args.dtype}"

@@ -20,6 +20,8 @@ Two floors bound a generation workload from below, in time:
 
 The floor of a workload is the larger of the two times; its output tokens over that time is the
 most tok/s this machine could give, and ``measured / floor`` is what a table reports beside it.
+A bench probes twice, before its timed runs and after them, and keeps each rate's faster probe
+(``Floors.faster``): a floor probed in a slow minute would sit below what the machine then did.
 
     python 07_engine/benchmarks/floors.py                 # the default model's floors here
     python 07_engine/benchmarks/floors.py --dtype float32 --model DIR
@@ -152,6 +154,21 @@ class Floors:
     read_bytes_per_s: float
     gemm_flop_per_s: float
     footprint: ModelFootprint
+    probes: int = 1  # how many measurements each rate is the fastest of
+
+    def faster(self, other: Floors) -> Floors:
+        """Each rate the faster of this probe's and ``other``'s, of the same model on the same
+        machine (a bench probes before and after its runs). A floor is the most the machine allows:
+        a small VM's host slows one probe now and then, and a floor from that probe alone fell
+        below what a system measured after it then reached (104 % of its floor)."""
+        if other.footprint != self.footprint:
+            raise ValueError("other: floors of another model or dtype, not a second probe of these")
+        return Floors(
+            read_bytes_per_s=max(self.read_bytes_per_s, other.read_bytes_per_s),
+            gemm_flop_per_s=max(self.gemm_flop_per_s, other.gemm_flop_per_s),
+            footprint=self.footprint,
+            probes=self.probes + other.probes,
+        )
 
     def seconds(self, prompt_tokens: int, output_tokens: int, num_requests: int, longest_output: int) -> dict:
         """The two floors of a workload, in seconds: ``memory`` (the longest request's decode
@@ -170,8 +187,9 @@ class Floors:
         return output_tokens / max(self.seconds(prompt_tokens, output_tokens, num_requests, longest_output).values())
 
     def describe(self) -> str:
+        probes = f" (the faster of {self.probes} probes, before and after the runs)" if self.probes > 1 else ""
         return (
-            f"floors measured in this run: memory read {self.read_bytes_per_s / 1e9:.1f} GB/s over "
+            f"floors measured in this run{probes}: memory read {self.read_bytes_per_s / 1e9:.1f} GB/s over "
             f"{self.footprint.weight_bytes / 1e6:.0f} MB (the weights' size), matmul "
             f"{self.gemm_flop_per_s / 1e9:.0f} GFLOP/s at the model's shapes, {GEMM_ROWS} rows, the fastest "
             "kernel at each"
@@ -184,6 +202,7 @@ class Floors:
             "read_gb_per_s": round(self.read_bytes_per_s / 1e9, 2),
             "gemm_gflop_per_s": round(self.gemm_flop_per_s / 1e9, 1),
             "gemm_rows": GEMM_ROWS,
+            "probes": self.probes,
             "weight_bytes": self.footprint.weight_bytes,
             "footprint": footprint,
         }

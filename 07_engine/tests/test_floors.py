@@ -104,22 +104,51 @@ def test_the_gemm_rate_takes_the_fastest_kernel_at_each_shape(monkeypatch):
     assert flops / 0.04 < rate <= flops / 0.02  # a slow kernel at either shape: <= flops / 0.06
 
 
+@settings(max_examples=40, derandomize=True, deadline=None)
+@given(rates=st.lists(st.tuples(st.floats(1e3, 1e12), st.floats(1e3, 1e15)), min_size=1, max_size=4))
+def test_probes_combine_into_the_fastest_rate_of_each_kind(rates):
+    probes = [Floors(read_bytes_per_s=r, gemm_flop_per_s=g, footprint=FOOTPRINT) for r, g in rates]
+    combined = probes[0]
+    for probe in probes[1:]:
+        combined = combined.faster(probe)
+    assert combined.read_bytes_per_s == max(r for r, _ in rates)
+    assert combined.gemm_flop_per_s == max(g for _, g in rates)
+    assert combined.probes == len(rates) and combined.footprint == FOOTPRINT
+    assert combined.as_json()["probes"] == len(rates)
+    assert ("the faster of" in combined.describe()) == (len(rates) > 1)
+
+
+def test_a_probe_of_another_model_is_refused_by_name():
+    other = ModelFootprint(matmul_params=1, head_params=1, other_params=0, matmul_shapes={(1, 1): 1}, bytes_per_param=4)
+    with pytest.raises(ValueError, match="other"):
+        Floors(1e9, 1e9, FOOTPRINT).faster(Floors(1e9, 1e9, other))
+
+
 def test_bench_gives_every_row_as_a_fraction_of_the_workloads_floor(monkeypatch, capsys, tmp_path):
-    floors = Floors(read_bytes_per_s=1e9, gemm_flop_per_s=1e9, footprint=FOOTPRINT)
-    monkeypatch.setattr(bench, "measure_floors", lambda *a: floors)
+    # Two probes, each slow at one rate: the table's floor takes the faster of each, the second
+    # probe measured after every timed run.
+    calls = []
+    probes = iter([Floors(1e9, 5e8, FOOTPRINT), Floors(5e8, 1e9, FOOTPRINT)])
+    monkeypatch.setattr(bench, "measure_floors", lambda *a: calls.append("floors") or next(probes))
     monkeypatch.setattr(bench, "workload_floor", lambda *a: 600.0)
 
-    def timed(watch, tps):
+    def timed(watch, tps, name):
+        calls.append(name)
         watch.before()
         watch.after()
         return tps
 
-    monkeypatch.setattr(bench, "bench_engine", lambda *a, watch, more_workloads, **kw: ([timed(watch, 300.0)], 2.5))
-    monkeypatch.setattr(bench, "bench_transformers", lambda *a: timed(a[-1], 60.0))
+    monkeypatch.setattr(
+        bench, "bench_engine", lambda *a, watch, more_workloads, **kw: ([timed(watch, 300.0, "engine")], 2.5)
+    )
+    monkeypatch.setattr(bench, "bench_transformers", lambda *a: timed(a[-1], 60.0, "transformers"))
     out = tmp_path / "bench.json"
     bench.main(["--num-requests", "3", "--hf-batch-sizes", "2", "--hf-dtypes", "float32", "--json", str(out)])
     text = capsys.readouterr().out
-    assert "floors measured in this run: memory read 1.0 GB/s" in text and "of floor" in text
+    assert calls == ["floors", "engine", "transformers", "floors"]
+    assert "the faster of 2 probes, before and after the runs): memory read 1.0 GB/s" in text
+    assert "matmul 1 GFLOP/s" in text and "of floor" in text
+    assert json.loads(out.read_text())["floors"]["gemm_gflop_per_s"] == 1.0
     cells = next(line for line in text.splitlines() if line.startswith("engine ")).split()
     assert cells[cells.index("300.0") :][:3] == ["300.0", "5.00x", "50%"]
     rows = json.loads(out.read_text())["rows"]
