@@ -408,9 +408,9 @@ inline void in_register(Vec& x) {
 #endif
 }
 
-// The varlen kernels' scratch, one per thread: the tile's queries transposed (element d of every
-// query), a run's keys and values widened to float32 (dtypes other than float32), the run's
-// softmax weights (key j, query lane i) and the tile's output sums.
+// varlen's scratch, one per thread: the tile's queries transposed (element d of every query), a
+// run's keys and values widened to float32 (dtypes other than float32), the run's softmax weights
+// (key j, query lane i) and the tile's output sums.
 template <int D, int kRun, int kWidth>
 struct TileScratch {
   alignas(64) float queries[D][kWidth];
