@@ -680,13 +680,14 @@ def main(argv: list[str] | None = None) -> None:
     from vllm_from_scratch.loader import resolve_dtype
 
     model_dir = args.model or default_model_dir()
-    args.dtype = str(resolve_dtype(args.dtype, "cpu")).removeprefix("torch.")  # labels and vLLM need a name
+    dtype = resolve_dtype(args.dtype, "cpu")
+    args.dtype = str(dtype).removeprefix("torch.")  # labels and vLLM need a name
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     prompts, outputs = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
     watch = LoadWatch(args.quiet_below, time.time() + 60 * args.quiet_timeout_min)
-    floors = measure_floors(model_dir, resolve_dtype(args.dtype, "cpu"))
+    floors = measure_floors(model_dir, dtype)
     engine_kwargs = dict(dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs)
     if args.max_num_batched_tokens:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
@@ -715,7 +716,7 @@ def main(argv: list[str] | None = None) -> None:
             python, model_dir, prompts, outputs, args.dtype, binding, args.vllm_kv_cache_gib, watch
         )
         peer.append((name, tps))
-    floors = floors.faster(measure_floors(model_dir, resolve_dtype(args.dtype, "cpu")))
+    floors = floors.faster(measure_floors(model_dir, dtype))
     floor_tps = workload_floor(floors, prompts, outputs)
     best_hf = max((t for _, t in hf), default=None)
     best_peer = max((t for _, t in peer), default=None)

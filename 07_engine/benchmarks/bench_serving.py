@@ -385,10 +385,11 @@ def main(argv: list[str] | None = None) -> dict:
     from vllm_from_scratch.loader import resolve_dtype
 
     model_dir = args.model or default_model_dir()
-    args.dtype = str(resolve_dtype(args.dtype, "cpu")).removeprefix("torch.")  # vLLM needs a name
+    dtype = resolve_dtype(args.dtype, "cpu")
+    args.dtype = str(dtype).removeprefix("torch.")  # vLLM needs a name
     load_before = load_average()
     watch = LoadWatch(args.quiet_below, time.time() + 60 * args.quiet_timeout_min)
-    floors = measure_floors(model_dir, resolve_dtype(args.dtype, "cpu"))
+    floors = measure_floors(model_dir, dtype)
     ours = ["vllm_from_scratch.serve", model_dir, "--dtype", args.dtype, "--device", "cpu", "--log-level", "warning"]
     ours += ["--enforce-eager"] * args.enforce_eager
     servers = {
@@ -409,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             for name, server in servers.items():
                 results[name] = measure(server, python, model_dir, args, watch, Path(tmp), name)
-    floors = floors.faster(measure_floors(model_dir, resolve_dtype(args.dtype, "cpu")))
+    floors = floors.faster(measure_floors(model_dir, dtype))
     total_in, total_out = args.num_prompts * args.input_len, args.num_prompts * args.output_len
     floor_tps = floors.tokens_per_s(total_in, total_out, args.num_prompts, args.output_len)
     print(

@@ -343,6 +343,30 @@ def test_bench_serving_pairs_rounds_only_when_both_ran_the_same_several(ours, th
         assert ratios == {}
 
 
+def test_bench_serving_probes_the_floors_before_and_after_the_servers(monkeypatch, tmp_path, capsys):
+    # Each probe slow at one rate: the table and the report take the faster of each, the second
+    # probe measured after every server has run.
+    import bench_serving
+
+    calls = []
+    footprint = floors.ModelFootprint(1, 1, 0, {(1, 1): 1}, 2)
+    probes = iter([floors.Floors(1e9, 5e8, footprint), floors.Floors(5e8, 1e9, footprint)])
+    monkeypatch.setattr(bench_serving, "vllm_python", lambda venv: Path("py"))
+    monkeypatch.setattr(bench_serving, "measure_floors", lambda *a: calls.append("floors") or next(probes))
+    figures = {key: 1.0 for _, key in bench_serving.METRICS}
+    load = {"load_before": "0.1 0.1 0.1", "load_after": "0.2 0.2 0.2", "quiet": None}
+
+    def fake_measure(server, python, model_dir, args, watch, tmp, name):
+        calls.append(name)
+        return {**figures, "output_throughput": 50.0, "load": load}
+
+    monkeypatch.setattr(bench_serving, "measure", fake_measure)
+    report = bench_serving.main(["--ours-only", "--json", str(tmp_path / "serving.json")])
+    assert calls == ["floors", "our server", "floors"]
+    assert "the faster of 2 probes, before and after the runs): memory read 1.0 GB/s" in capsys.readouterr().out
+    assert report["floors"]["gemm_gflop_per_s"] == 1.0 and report["floors"]["probes"] == 2
+
+
 def test_bench_serving_holds_a_server_and_every_process_under_it():
     import bench_serving
 
