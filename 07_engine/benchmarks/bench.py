@@ -29,7 +29,9 @@ greedy, ignore_eos, the engine's dtype), run by ``vllm_peer_runner.py`` in vLLM'
 (``07_engine/benchmarks/make_vllm_venv.sh`` builds it): once at vLLM's defaults, which bind one core for
 compute and reserve the other for its front end, and once with every usable core bound. The
 ratio column ``vs vLLM`` is taken against the better of the two. ``--single-stream`` replaces the
-workload with one 248-token prompt and 128 new tokens (transformers at batch 1).
+workload with one 248-token prompt and 128 new tokens (transformers at batch 1). The verdict
+under the table judges the engine against that run by the page's target (``floors.py``): one
+stream 1.5x vLLM and 60 % of the floor; a batch 1.5x vLLM or 80 % of the floor, the lower.
 
 Every CPU run also measures this machine's floors, before its timed runs and again after them,
 each rate the faster of the two probes (``floors.py``: the memory read rate over the weights'
@@ -50,6 +52,7 @@ import importlib.util
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from floors import Floors, measure_floors
+from floors import SINGLE_STREAM_TARGET, THROUGHPUT_TARGET, Floors, judge, measure_floors
 from machine import add_quiet_arg, check_quiet, cpu_flags, cpu_name, load_average, machine_line
 
 HERE = Path(__file__).resolve().parent
@@ -372,9 +375,10 @@ def write_json(
     details: dict[str, dict] | None = None,
     peer_name: str = "vLLM",
     floors: dict | None = None,
+    verdict: dict | None = None,
 ) -> None:
     """The table as JSON; ``floors`` (the machine's measured floors and the workload's floor tok/s)
-    adds each row's ``fraction_of_floor``."""
+    adds each row's ``fraction_of_floor``, ``verdict`` the engine's against its target."""
     report = {
         "machine": machine_info(load_before),
         "workload": workload,
@@ -396,6 +400,8 @@ def write_json(
         if details and name in details:
             row["details"] = details[name]
         report["rows"].append(row)
+    if verdict:
+        report["verdict"] = verdict
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {path}")
@@ -727,6 +733,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"{floors.describe()}\n{floor_summary(floors, prompts, outputs)}")
     print_table(rows + hf + peer, best_hf, best_peer, watch.records, floor=floor_tps)
+    check = engine_verdict(rows, peer, floor_tps, args.single_stream)
+    if check:
+        print(
+            f"\nthe engine{' (median pass)' * (len(rows) > 1)} / {check['against']}: {check['ratio']:.2f}x; "
+            f"target ({check['target']}): {check['target_tokens_per_s']:.1f} tok/s, "
+            f"{'met' if check['target_met'] else 'not met'}"
+        )
     print(f"\nthe engine started in {startup_s:.1f} s (model load{' and warm-up' if args.engine_warm_up else ''})")
     for name, _ in peer:
         print_vllm_processes(name, details[name])
@@ -757,7 +770,20 @@ def main(argv: list[str] | None = None) -> None:
             watch.records,
             details,
             floors=floors_json,
+            verdict=check,
         )
+
+
+def engine_verdict(
+    engine_rows: list[tuple[str, float]], peer: list[tuple[str, float]], floor_tps: float, single_stream: bool
+) -> dict:
+    """The engine's median pass against the faster vLLM run, by the page's target for the workload
+    (one stream: ``SINGLE_STREAM_TARGET``; a batch: ``THROUGHPUT_TARGET``); ``{}`` without a peer."""
+    if not peer:
+        return {}
+    against, peer_tps = max(peer, key=lambda row: row[1])
+    target = SINGLE_STREAM_TARGET if single_stream else THROUGHPUT_TARGET
+    return {"against": against, **judge(statistics.median(t for _, t in engine_rows), peer_tps, floor_tps, target)}
 
 
 def workload_floor(floors: Floors, prompts: list[list[int]], outputs: list[int]) -> float:

@@ -208,6 +208,49 @@ class Floors:
         }
 
 
+@dataclass(frozen=True)
+class Target:
+    """A tok/s bar for a system beside a peer measured in the same run: ``peer_speedup`` times the
+    peer's tok/s and ``floor_fraction`` of the workload's floor, both (``need_both``) or the lower
+    of the two. The lower one is the fair bar beside a peer already near the floor: a peer at 70 %
+    of it leaves no system room to be 1.5x faster."""
+
+    peer_speedup: float
+    floor_fraction: float
+    need_both: bool
+
+    def tokens_per_s(self, peer_tps: float, floor_tps: float) -> float:
+        """The tok/s that meets this target beside a peer of ``peer_tps`` under a floor of ``floor_tps``."""
+        for name, value in (("peer_tps", peer_tps), ("floor_tps", floor_tps)):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        bars = (self.peer_speedup * peer_tps, self.floor_fraction * floor_tps)
+        return max(bars) if self.need_both else min(bars)
+
+    def describe(self) -> str:
+        joined = "and" if self.need_both else "or"
+        which = "" if self.need_both else ", the lower"
+        return f"{self.peer_speedup:g}x the peer {joined} {self.floor_fraction * 100:g} % of the floor{which}"
+
+
+# The targets the performance page holds the engine to beside vLLM's CPU build.
+SINGLE_STREAM_TARGET = Target(peer_speedup=1.5, floor_fraction=0.6, need_both=True)
+THROUGHPUT_TARGET = Target(peer_speedup=1.5, floor_fraction=0.8, need_both=False)  # a batch, a server
+
+
+def judge(tps: float, peer_tps: float, floor_tps: float, target: Target) -> dict:
+    """``tps`` beside a peer's ``peer_tps`` under a floor of ``floor_tps``, as a report records it:
+    the ratio, both fractions of the floor, the target's tok/s and whether ``tps`` reaches it."""
+    bar = target.tokens_per_s(peer_tps, floor_tps)
+    return {
+        "ratio": round(tps / peer_tps, 3),
+        "fraction_of_floor": [round(tps / floor_tps, 3), round(peer_tps / floor_tps, 3)],
+        "target": target.describe(),
+        "target_tokens_per_s": round(bar, 1),
+        "target_met": tps >= bar,
+    }
+
+
 def measure_floors(model_dir: str | Path, dtype: torch.dtype, repeats: int = REPEATS) -> Floors:
     """Measure both rates for ``model_dir`` in ``dtype`` with this process's torch threads."""
     footprint = model_footprint(model_dir, dtype)

@@ -118,6 +118,10 @@ def test_one_table_holds_engine_transformers_and_both_vllm_runs(fake_venv, monke
     assert report["rows"][0]["details"] == {"startup_s": 2.5}
     bound = next(r for r in report["rows"] if r["system"] == "vLLM 0.32.0 CPU bfloat16 (all-cores-bound)")
     assert bound["details"]["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    # Judged against the faster vLLM run; the floor is far above both, so 1.5x binds: met at exactly 1.5x.
+    assert report["verdict"]["against"] == bound["system"] and report["verdict"]["ratio"] == 1.5
+    assert report["verdict"]["target_tokens_per_s"] == 300.0 and report["verdict"]["target_met"]
+    assert "target (1.5x the peer or 80 % of the floor, the lower): 300.0 tok/s, met" in text
 
 
 @pytest.mark.slow
@@ -182,12 +186,16 @@ def test_bench_serving_compares_our_server_with_the_best_vllm_serve(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "TTFT p50 ms" in lines[1] and "of floor" in lines[1]
     assert next(line for line in lines if line.startswith("our server")).split()[7] == "50%"
-    assert bench_serving.verdict(results) == {
+    assert bench_serving.verdict(results, floor_tps=600.0) == {
         "against": "vllm serve (all-cores-bound)",
-        "throughput_ratio": 2.0,
+        "ratio": 2.0,
+        "fraction_of_floor": [0.5, 0.25],
+        "target": "1.5x the peer or 80 % of the floor, the lower",
+        "target_tokens_per_s": 225.0,
+        "target_met": True,
         "p99_ttft_ms": [2000.0, 3000.0],
-        "throughput_target_1_5x_met": True,
         "p99_ttft_no_worse": True,
+        "met": True,
     }
     flags = bench_serving.client_flags("http://h", "m", "tok", bench_serving.parse_args([]), 7, 64, None)
     assert flags[flags.index("--seed") + 1] == "7" and "--ignore-eos" in flags and "--save-result" not in flags
@@ -208,10 +216,10 @@ def test_bench_serving_sweeps_our_token_budget_and_judges_the_first():
         labels[2]: {**run, "output_throughput": 400.0, "p99_ttft_ms": 1000.0},
         "vllm serve (all-cores-bound)": {**run, "output_throughput": 100.0, "p99_ttft_ms": 2000.0},
     }
-    check = bench_serving.verdict(results)
-    assert check["throughput_ratio"] == 2.0 and check["p99_ttft_ms"] == [3000.0, 2000.0]
-    assert not check["p99_ttft_no_worse"]
-    assert bench_serving.verdict({labels[1]: run, labels[2]: run}) == {}
+    check = bench_serving.verdict(results, floor_tps=1000.0)
+    assert check["ratio"] == 2.0 and check["p99_ttft_ms"] == [3000.0, 2000.0]
+    assert check["target_met"] and not check["p99_ttft_no_worse"] and not check["met"]
+    assert bench_serving.verdict({labels[1]: run, labels[2]: run}, floor_tps=1000.0) == {}
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
@@ -322,10 +330,10 @@ def test_bench_serving_interleaved_servers_take_turns_round_by_round(monkeypatch
         ("down", "peer"), ("down", "ours"),
     ]  # fmt: skip
     assert results["our server"]["round_throughputs"] == [90.0, 100.0, 80.0]
-    check = bench_serving.verdict(results)
-    assert check["throughput_ratio"] == 1.8 and check["round_ratios"] == [1.5, 2.0, 2.0]
+    check = bench_serving.verdict(results, floor_tps=500.0)
+    assert check["ratio"] == 1.8 and check["round_ratios"] == [1.5, 2.0, 2.0]
     one_round = {k: {**r, "round_throughputs": r["round_throughputs"][:1]} for k, r in results.items()}
-    assert "round_ratios" not in bench_serving.verdict(one_round)
+    assert "round_ratios" not in bench_serving.verdict(one_round, floor_tps=500.0)
 
 
 @settings(max_examples=80, deadline=None, derandomize=True)

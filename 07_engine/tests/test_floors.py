@@ -14,7 +14,18 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 import bench
-from floors import Floors, ModelFootprint, linear_kernels, measure_gemm_rate, measure_read_bandwidth, model_footprint
+from floors import (
+    SINGLE_STREAM_TARGET,
+    THROUGHPUT_TARGET,
+    Floors,
+    ModelFootprint,
+    Target,
+    judge,
+    linear_kernels,
+    measure_gemm_rate,
+    measure_read_bandwidth,
+    model_footprint,
+)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -122,6 +133,50 @@ def test_a_probe_of_another_model_is_refused_by_name():
     other = ModelFootprint(matmul_params=1, head_params=1, other_params=0, matmul_shapes={(1, 1): 1}, bytes_per_param=4)
     with pytest.raises(ValueError, match="other"):
         Floors(1e9, 1e9, FOOTPRINT).faster(Floors(1e9, 1e9, other))
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(
+    tps=st.floats(0, 1e4),
+    peer=st.floats(1e-3, 1e4),
+    floor=st.floats(1e-3, 1e4),
+    speedup=st.floats(1, 3),
+    fraction=st.floats(0.05, 1),
+    need_both=st.booleans(),
+)
+def test_a_target_is_met_by_both_bars_or_by_either(tps, peer, floor, speedup, fraction, need_both):
+    target = Target(peer_speedup=speedup, floor_fraction=fraction, need_both=need_both)
+    bars = (tps >= speedup * peer, tps >= fraction * floor)
+    check = judge(tps, peer, floor, target)
+    assert check["target_met"] == (all(bars) if need_both else any(bars))
+    assert check["target"] == target.describe() and ("the lower" in check["target"]) != need_both
+    assert check["fraction_of_floor"] == [round(tps / floor, 3), round(peer / floor, 3)]
+
+
+def test_the_page_targets_judge_its_recorded_runs():
+    # docs/data/serving_float32_avx2.json: run 5 (68.9 against 50.5 under a floor of 76.1) is 90 %
+    # of its floor, above the lower bar; run 3 (95.7 against 71.8 under 155.4) is below both.
+    assert judge(68.9, 50.5, 76.1, THROUGHPUT_TARGET)["target_met"]
+    assert not judge(95.7, 71.8, 155.4, THROUGHPUT_TARGET)["target_met"]
+    assert judge(68.9, 50.5, 76.1, THROUGHPUT_TARGET)["target_tokens_per_s"] == 60.9
+    # One stream needs both: 2.25x vLLM at 86 % of its floor, and not 2.25x at 50 %.
+    assert judge(28.3, 12.6, 32.9, SINGLE_STREAM_TARGET)["target_met"]
+    assert not judge(28.3, 12.6, 56.6, SINGLE_STREAM_TARGET)["target_met"]
+    for name in ("peer_tps", "floor_tps"):
+        with pytest.raises(ValueError, match=name):
+            THROUGHPUT_TARGET.tokens_per_s(0.0 if name == "peer_tps" else 1.0, 0.0 if name == "floor_tps" else 1.0)
+
+
+def test_bench_judges_the_median_engine_pass_against_the_faster_peer_by_the_workloads_target():
+    engine = [("engine, pass 1", 100.0), ("engine, pass 2", 160.0), ("engine, pass 3", 150.0)]
+    peer = [("vLLM (defaults)", 60.0), ("vLLM (all-cores-bound)", 100.0)]
+    batch = bench.engine_verdict(engine, peer, floor_tps=180.0, single_stream=False)
+    assert batch["against"] == "vLLM (all-cores-bound)" and batch["ratio"] == 1.5
+    assert batch["target_tokens_per_s"] == 144.0 and batch["target_met"]  # 80 % of the floor, the lower bar
+    one = bench.engine_verdict(engine, peer, floor_tps=180.0, single_stream=True)
+    assert one["target_tokens_per_s"] == 150.0 and one["target_met"]  # 1.5x, the higher bar
+    assert not bench.engine_verdict(engine, peer, floor_tps=300.0, single_stream=True)["target_met"]
+    assert bench.engine_verdict(engine, [], floor_tps=180.0, single_stream=False) == {}
 
 
 def test_bench_gives_every_row_as_a_fraction_of_the_workloads_floor(monkeypatch, capsys, tmp_path):
