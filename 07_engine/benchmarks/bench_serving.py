@@ -41,9 +41,10 @@ gives the ratio of every round to its pair::
 ``--max-num-batched-tokens N ...`` runs our server once per token budget, the prompt tokens a
 step may carry beside the decodes: a larger one prefills a burst of prompts in fewer steps (the
 last prompt's first token comes sooner) and holds every decoder longer in each of them. With
-``--ours-only`` (no vLLM) that is the sweep that chooses the server's default::
+``--ours-only`` (no vLLM) that is the sweep that chooses the server's default (``default``: the
+server's own, which on a CPU also caps each prompt's chunk)::
 
-    .venv/bin/python 07_engine/benchmarks/bench_serving.py --ours-only --max-num-batched-tokens 64 128 256 512
+    .venv/bin/python 07_engine/benchmarks/bench_serving.py --ours-only --max-num-batched-tokens default 256 512 1024
 """
 
 from __future__ import annotations
@@ -328,6 +329,16 @@ def round_ratios(ours: dict, peer: dict) -> dict:
     return {"round_ratios": [round(a / b, 3) for a, b in zip(mine, theirs, strict=True)]}
 
 
+def token_budget(text: str) -> int | None:
+    """One ``--max-num-batched-tokens`` value: a positive count, or ``default`` (None: the server's
+    own budget, which on a CPU also caps each prompt's chunk)."""
+    if text == "default":
+        return None
+    if not (text.isascii() and text.isdigit() and int(text) >= 1):
+        raise argparse.ArgumentTypeError(f"a positive token count or 'default', not {text!r}")
+    return int(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2)")
@@ -350,12 +361,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=token_budget,
         nargs="+",
         default=[None],
         metavar="N",
         help="run our server once per token budget (prompt tokens a step may carry beside the decodes: "
-        "how long a prefill chunk delays the decoders); default: once, at the server's default",
+        "how long a prefill chunk delays the decoders), 'default' for the server's own; default: once, "
+        "at the server's default",
     )
     add_peer_args(parser, "vLLM server thread layouts to run")
     parser.add_argument("--ours-only", action="store_true", help="run our server(s) only: no vllm serve, no ratio")

@@ -5,6 +5,7 @@ vLLM is never part of the book's set-up: the stand-in runs everywhere and costs 
 real run needs ``.venv-vllm`` (``07_engine/benchmarks/make_vllm_venv.sh``) and skips without it.
 """
 
+import argparse
 import json
 import os
 import signal
@@ -207,6 +208,9 @@ def test_bench_serving_sweeps_our_token_budget_and_judges_the_first():
     args = bench_serving.parse_args(["--ours-only", "--max-num-batched-tokens", "128", "512"])
     assert args.ours_only and args.max_num_batched_tokens == [128, 512]
     assert bench_serving.parse_args([]).max_num_batched_tokens == [None]
+    # "default" is the server's own budget (None: no --max-num-batched-tokens on its command line).
+    swept = bench_serving.parse_args(["--max-num-batched-tokens", "default", "1024"]).max_num_batched_tokens
+    assert swept == [None, 1024]
     labels = [bench_serving.our_label(b) for b in (None, 128, 512)]
     assert labels == ["our server", "our server, budget 128", "our server, budget 512"]
     load = {"load_before": "0.1 0.1 0.1", "load_after": "0.2 0.2 0.2", "quiet": None}
@@ -220,6 +224,20 @@ def test_bench_serving_sweeps_our_token_budget_and_judges_the_first():
     assert check["ratio"] == 2.0 and check["p99_ttft_ms"] == [3000.0, 2000.0]
     assert check["target_met"] and not check["p99_ttft_no_worse"] and not check["met"]
     assert bench_serving.verdict({labels[1]: run, labels[2]: run}, floor_tps=1000.0) == {}
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(text=st.one_of(st.integers(-(2**40), 2**40).map(str), st.text(max_size=8)))
+def test_a_token_budget_is_a_positive_count_or_default(text):
+    import bench_serving
+
+    if text == "default":
+        assert bench_serving.token_budget(text) is None
+    elif text.isascii() and text.isdigit() and int(text) >= 1:
+        assert bench_serving.token_budget(text) == int(text)
+    else:
+        with pytest.raises(argparse.ArgumentTypeError, match="positive token count"):
+            bench_serving.token_budget(text)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
