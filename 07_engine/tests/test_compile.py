@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -110,6 +111,64 @@ def test_the_lm_head_of_a_few_rows_runs_compiled_where_it_has_a_graph(forward_si
             torch.testing.assert_close(compiled, runner.model.compute_logits(hidden[:rows]), atol=1e-4, rtol=1e-4)
         assert runner.compiled_forward.compute_logits(hidden) is None  # more rows: the model's own head
         assert runner.compiled_forward.compute_logits(hidden[:0]) is None
+
+
+def test_a_compiled_forward_runs_without_the_gil_and_as_torchs_loader_does(monkeypatch, forward_sizes, tiny_llama_dir):
+    """The server's event loop must run while the engine's thread is inside a forward. With a
+    switch interval of minutes, another thread gets the GIL only where the running one lets it
+    go: a counting thread got 8-13 turns in 20 forwards of torch's loader (at their edges) and
+    126-144 in 20 of the engine's. Both loaders give the same hidden states for the same inputs."""
+    import hashlib
+    import sys
+    import threading
+
+    from vllm_from_scratch import graph_package
+
+    captured = []
+    counted = CompiledForward.run
+    monkeypatch.setattr(
+        CompiledForward, "run", lambda self, *args: captured.append((self, args)) or counted(self, *args)
+    )
+    llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", device="cpu")
+    llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(max_tokens=1, temperature=0.0))
+    compiled, (input_ids, positions, md, kv_cache) = captured[-1]
+    assert graph_package.releases_the_gil()
+    assert all(isinstance(g, graph_package.GraphPackage) for g in compiled.graphs.values())
+    name = compilation.graph_for(input_ids.shape[0])
+    config = llm.llm_engine.executor.runner.config
+    directory = compilation.cache_root() / hashlib.sha256(compile_key(config).encode()).hexdigest()[:16]
+    # Where the loader cannot be built, graph_package.load falls back to torch's.
+    monkeypatch.setattr(graph_package, "releases_the_gil", lambda: False)
+    theirs = compilation._load_package(directory / f"{name}.pt2")  # unzipped into a directory it removes
+    assert not isinstance(theirs, graph_package.GraphPackage)
+    inputs = (input_ids, positions, *md.tensors(), kv_cache)
+    assert torch.equal(compiled.graphs[name](*inputs), theirs(*inputs))
+
+    turns, stop = [0], threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            turns[0] += 1
+            time.sleep(0)  # hands the GIL back at once, as an idle event loop does
+
+    def turns_during(graph) -> int:
+        before = turns[0]
+        for _ in range(20):
+            graph(*inputs)
+        return turns[0] - before
+
+    previous = sys.getswitchinterval()
+    counter = threading.Thread(target=count, daemon=True)
+    sys.setswitchinterval(300.0)
+    try:
+        counter.start()
+        time.sleep(0.05)  # the counter starts, then waits for the GIL
+        held, released = turns_during(theirs), turns_during(compiled.graphs[name])
+    finally:
+        stop.set()
+        sys.setswitchinterval(previous)
+        counter.join()
+    assert released > 4 * held + 20, (held, released)
 
 
 def test_compile_key_follows_threads_and_weights(tmp_path, tiny_qwen3_dir):

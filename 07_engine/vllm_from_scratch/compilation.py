@@ -47,9 +47,9 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -61,12 +61,11 @@ from block_manager import cdiv
 from chunked_prefill import SchedulerInfo, build_batch_inputs
 from cpp_kernel import cpu_fingerprint
 from paged_attention_cpu import cpu_kernel_available
+from vllm_from_scratch import graph_package
 from vllm_from_scratch.layers import bf16_gemm, f32_gemm
 from vllm_from_scratch.layers.prepacked import PrepackableWeight
 
 if TYPE_CHECKING:
-    from torch._inductor.package.package import AOTICompiledModel
-
     from vllm_from_scratch.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -282,8 +281,9 @@ def _compile_graphs(model: nn.Module, kv_cache: torch.Tensor, config: EngineConf
         log.info("compiled the %s graph in %.1f s", name, time.perf_counter() - start)
 
 
-def _load_package(path: Path) -> AOTICompiledModel:
-    """Load one compiled package, leaving nothing behind on disk.
+def _load_package(path: Path) -> Callable[..., Any]:
+    """Load one compiled package to run without the GIL (``graph_package.load``), leaving
+    nothing behind on disk.
 
     The loader unzips the package's shared library (the weights are inside it: a few hundred MB
     for the default model) into a fresh directory under ``$TMPDIR`` and never removes it, so every
@@ -293,7 +293,7 @@ def _load_package(path: Path) -> AOTICompiledModel:
     with tempfile.TemporaryDirectory(prefix="vllm_fs_aoti_") as scratch:
         os.environ["TMPDIR"] = scratch
         try:
-            return torch._inductor.aoti_load_package(str(path))
+            return graph_package.load(path)
         finally:
             if previous is None:
                 del os.environ["TMPDIR"]
@@ -308,7 +308,7 @@ class CompiledForward:
     KV cache) and returns the same hidden states.
     """
 
-    def __init__(self, graphs: dict[str, AOTICompiledModel]):
+    def __init__(self, graphs: dict[str, Callable[..., Any]]):
         self.graphs = graphs
 
     @classmethod
