@@ -364,7 +364,7 @@ def test_the_compiled_forwards_graphs_run_minicpm(tiny_minicpm4_dir, monkeypatch
     are exported as they are for Llama, then run by the engine in place of the compiled packages,
     and the tokens and logprobs still equal the plain reference. Only AOTInductor's compilation of
     the exports is left out (minutes on two cores; model-independent, test_compile.py runs it)."""
-    from vllm_from_scratch import compilation
+    from vllm_from_scratch import compilation, graph_package
 
     def export_only(model, kv_cache, config, directory):
         directory.mkdir(parents=True, exist_ok=True)
@@ -374,7 +374,7 @@ def test_the_compiled_forwards_graphs_run_minicpm(tiny_minicpm4_dir, monkeypatch
     monkeypatch.setattr(compilation, "cache_root", lambda: tmp_path)  # not XDG_CACHE_HOME: chapter 02's kernel is there
     monkeypatch.setattr(compilation, "_compile_graphs", export_only)
     monkeypatch.setattr(compilation, "_package", lambda program, name, path: torch.export.save(program, str(path)))
-    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: torch.export.load(path).module())
+    monkeypatch.setattr(graph_package, "load", lambda path: torch.export.load(str(path)).module())
     llm = LLM(tiny_minicpm4_dir, **{**ENGINE, "enforce_eager": False, "num_kvcache_blocks": 64})
     runner = llm.llm_engine.executor.runner
     assert runner.compiled_forward is not None
