@@ -12,7 +12,6 @@ torch's loader.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -22,8 +21,6 @@ import torch
 from torch.utils import _pytree as pytree
 
 from cpp_kernel import CppKernel
-
-log = logging.getLogger(__name__)
 
 KERNEL = CppKernel("vllm_fs_graph_package", Path(__file__).resolve().with_suffix(".cpp"))
 
