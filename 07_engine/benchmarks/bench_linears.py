@@ -12,9 +12,8 @@ they stream from memory as in a step) through:
 * ``graph small`` and ``graph large``: the linears compiled by inductor with the settings of the
   engine's two graphs (``compilation.GRAPHS``: its own C++ GEMM template, and oneDNN under
   inductor), weights frozen: the engine runs the first up to ``SMALL_BATCH_TOKENS`` tokens and
-  the second above, each with the engine's GEMM in place of inductor's where
-  ``compilation.template_graphs`` says (a float32 model where the engine's float32 GEMM runs takes
-  it in both). The line before each row count says which;
+  the second above, or the engine's GEMM in both where it runs for the model's dtype
+  (``compilation.template_graphs``). The line before each row count says which;
 * ``bf16_gemm``: the engine's own GEMM (``layers/bf16_gemm.py``), which every bfloat16 matmul
   takes, eager and compiled, where the CPU has AVX-512 BF16 (only there is it timed);
 * ``f32_gemm``: the engine's float32 GEMM (``layers/f32_gemm.py``), which every float32 matmul

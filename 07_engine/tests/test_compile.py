@@ -201,57 +201,65 @@ def test_the_graph_calls_chapter_02s_cpp_operator_for_attention(tiny_llama_dir):
     assert sum(expected in t for t in targets) == len(runner.attn_layers), targets
 
 
-@pytest.mark.skipif(not bf16_gemm.gemm_available(), reason="this CPU has no AVX-512 BF16")
-def test_only_the_large_graph_calls_the_engines_gemm(tiny_llama_dir):
-    """In bfloat16 every linear of the large graph is one call of the engine's GEMM; the template
-    graphs trace F.linear (inductor's own GEMM) and leave the packed weights as they found them."""
-    llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="bfloat16", enforce_eager=True)
-    runner = llm.llm_engine.executor.runner
-    layers = [m for m in runner.model.modules() if isinstance(m, PrepackableWeight)]
-    packed = [m.gemm_weight for m in layers]
-    assert all(p is not None for p in packed)
-    assert compilation.TEMPLATE_GRAPHS < set(compilation.GRAPHS) and "large" not in compilation.TEMPLATE_GRAPHS
-    example = compilation._example_inputs(8, runner.kv_cache, BLOCK)
-
-    def gemm_calls() -> int:
-        with torch.inference_mode():
-            program = torch.export.export(compilation._ForwardWithCache(runner.model), example, strict=False)
-        return sum("vllm_fs_gemm.linear" in str(node.target) for node in program.graph.nodes)
-
-    with compilation._inductor_matmuls(runner.model, "small", runner.config):
-        assert all(m.gemm_weight is None for m in layers)
-        assert gemm_calls() == 0
-    assert all(m.gemm_weight is p for m, p in zip(layers, packed))
-    assert gemm_calls() == 4 * runner.model.config.num_hidden_layers  # QKV, O, gate-up, down
+GEMMS = {"float32": (f32_gemm, "vllm_fs_f32_gemm.linear"), "bfloat16": (bf16_gemm, "vllm_fs_gemm.linear")}
 
 
-@pytest.mark.skipif(not f32_gemm.gemm_available(), reason="this CPU has no AVX2 and FMA")
-def test_in_float32_every_graph_calls_the_engines_gemm(tiny_llama_dir):
-    """In float32 every linear of both forward graphs is one call of the engine's float32 GEMM,
-    with the packed weights left as they were, and no LM-head graph is compiled; a bfloat16 model
-    keeps all three graphs and the template's."""
-    config = EngineConfig(tiny_llama_dir, device="cpu", dtype="float32")
+@pytest.mark.parametrize("dtype", list(GEMMS))
+def test_where_the_engines_gemm_runs_every_graph_calls_it(tiny_llama_dir, dtype):
+    """Where the engine has a GEMM for the model's dtype, every linear of both forward graphs is
+    one call of it, there is no LM-head graph and no graph keeps inductor's template."""
+    gemm, op = GEMMS[dtype]
+    if not gemm.gemm_available():
+        pytest.skip(f"this CPU runs no engine GEMM for {dtype}")
+    config = EngineConfig(tiny_llama_dir, device="cpu", dtype=dtype)
     assert compilation.graph_names(config) == ["small", "large"]
     assert compilation.template_graphs(config) == frozenset()
-    bf16_config = EngineConfig(tiny_llama_dir, device="cpu", dtype="bfloat16")
-    assert compilation.graph_names(bf16_config) == ["small", "large", "logits"]
-    assert compilation.template_graphs(bf16_config) == compilation.TEMPLATE_GRAPHS
-    llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", enforce_eager=True)
+    llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype=dtype, enforce_eager=True)
     runner = llm.llm_engine.executor.runner
     layers = [m for m in runner.model.modules() if isinstance(m, PrepackableWeight)]
-    packed = [m.gemm_weight for m in layers]
-    assert all(p is not None and p.dtype == torch.float32 for p in packed)
+    assert all(m.gemm_weight is not None and m.gemm_weight.dtype == getattr(torch, dtype) for m in layers)
 
-    def gemm_calls(name: str, tokens: int) -> int:
+    def gemm_calls(tokens: int) -> int:
         example = compilation._example_inputs(tokens, runner.kv_cache, BLOCK)
-        with compilation._inductor_matmuls(runner.model, name, config), torch.inference_mode():
+        with torch.inference_mode():
             program = torch.export.export(compilation._ForwardWithCache(runner.model), example, strict=False)
-        return sum("vllm_fs_f32_gemm.linear" in str(node.target) for node in program.graph.nodes)
+        return sum(op in str(node.target) for node in program.graph.nodes)
 
     layer_linears = 4 * runner.model.config.num_hidden_layers  # QKV, O, gate-up, down
-    assert gemm_calls("small", SMALL_BATCH_TOKENS) == layer_linears
-    assert gemm_calls("large", 2 * SMALL_BATCH_TOKENS) == layer_linears
-    assert all(m.gemm_weight is p for m, p in zip(layers, packed))
+    assert (
+        compilation.graph_for(SMALL_BATCH_TOKENS) == "small"
+        and compilation.graph_for(SMALL_BATCH_TOKENS + 1) == "large"
+    )
+    assert gemm_calls(SMALL_BATCH_TOKENS) == layer_linears
+    assert gemm_calls(SMALL_BATCH_TOKENS + 1) == layer_linears
+
+
+class _OneWeight(PrepackableWeight, torch.nn.Module):
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(8, 8, dtype=dtype), requires_grad=False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("engine_gemms", [False, True])
+def test_the_template_graphs_are_where_the_layers_hold_no_engine_gemm_weight(
+    tiny_llama_dir, monkeypatch, dtype, engine_gemms
+):
+    """Every dtype, with the engine's GEMMs available or not (forced either way): the small and
+    LM-head graphs take inductor's template exactly where a loaded layer's weight is not packed
+    for the engine's GEMM, the layers' own rule (``PrepackableWeight.prepack``)."""
+    for gemm, _ in GEMMS.values():
+        monkeypatch.setattr(gemm, "gemm_available", lambda: engine_gemms)
+    monkeypatch.setattr(bf16_gemm, "pack", lambda weight: weight.new_zeros(1))
+    monkeypatch.setattr(f32_gemm, "pack", lambda weight: weight.new_zeros(1))
+    layer = _OneWeight(getattr(torch, dtype))
+    layer.prepack(float32_copy=False)
+    packed_for_the_engine = layer.gemm_weight is not None
+    config = EngineConfig(tiny_llama_dir, device="cpu", dtype=dtype)
+    templates = compilation.template_graphs(config)
+    assert templates == (frozenset() if packed_for_the_engine else compilation.TEMPLATE_GRAPHS)
+    assert ("logits" in compilation.graph_names(config)) == (not packed_for_the_engine)
+    assert packed_for_the_engine == (engine_gemms and dtype != "float16")
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)

@@ -9,20 +9,19 @@ change to the model's code:
   too, so the graph holds no copy of it), and the token count, request count, block-table width
   and cache size symbolic. Attention is one opaque operator (``layers/attention.py``,
   :func:`~vllm_from_scratch.layers.attention.unified_attention`); the linear layers are plain
-  ``F.linear`` while traced (``layers/prepacked.py``), or the engine's own GEMM operator: where
-  the CPU has AVX-512 BF16, bfloat16's (``layers/bf16_gemm.py``) in the graph of larger batches;
-  where it has AVX2, float32's (``layers/f32_gemm.py``) in both.
+  ``F.linear`` while traced (``layers/prepacked.py``), or the engine's own GEMM operator where the
+  CPU runs one for the model's dtype: bfloat16's with AVX-512 BF16 (``layers/bf16_gemm.py``),
+  float32's with AVX2 and FMA (``layers/f32_gemm.py``).
 * AOTInductor compiles the graph to C++ with the weights frozen (constants), so norms, residual
   adds, RoPE and SiLU·mul fuse into loops between the matmuls, and packs it with its weights into
-  one file. Two graphs, split by token count (:data:`SMALL_BATCH_TOKENS`): small batches use
-  inductor's own GEMM kernels (``max_autotune`` with its C++ template), which read a weight
-  about twice as fast as oneDNN when a matmul has a row or two; larger ones keep oneDNN's packed
-  GEMMs, which the template falls far behind from about eight rows, or the engine's GEMM, faster
-  than both there. One more graph is the LM head alone for the same few rows as the first (the
-  sampled rows of a small decode), with the template. A float32 model on a CPU with AVX2 and
-  FMA takes the engine's float32 GEMM in both graphs and has no LM-head graph: that GEMM read
-  the weights of a one- to four-token step 12-14 % faster than the template, and the LM head's as
-  fast or faster (:func:`graph_names`).
+  one file. Two graphs, split by token count (:data:`SMALL_BATCH_TOKENS`). Where the engine's
+  GEMM runs, both call it for every matmul and the LM head stays its one call: it reads the
+  weights of a one-token step faster than inductor's own GEMM template on every CPU measured
+  (3.2x on a Zen 5 VM, where a one-request step took 8.1 ms against 16.1 through the template).
+  Elsewhere small batches use the template (``max_autotune`` with its C++ kernels), which reads a
+  weight about twice as fast as oneDNN when a matmul has a row or two, larger ones keep oneDNN's
+  packed GEMMs, which the template falls far behind from about eight rows, and one more graph is
+  the LM head alone for the small graph's rows, with the template (:func:`graph_names`).
 * A package is written once under ``$XDG_CACHE_HOME/vllm_from_scratch/compiled/`` (normally
   ``~/.cache``) in a directory named by everything the compiled code depends on
   (:func:`compile_key`); a later process loads it in a fraction of a second.
@@ -38,7 +37,6 @@ for the whole model at every start. Measured figures: 07_engine/topics/performan
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -47,7 +45,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,15 +61,13 @@ from cpp_kernel import cpu_fingerprint
 from paged_attention_cpu import cpu_kernel_available
 from vllm_from_scratch import graph_package
 from vllm_from_scratch.layers import bf16_gemm, f32_gemm
-from vllm_from_scratch.layers.prepacked import PrepackableWeight
 
 if TYPE_CHECKING:
     from vllm_from_scratch.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
-# Batches of at most this many tokens run the small graph (inductor's GEMM template), larger ones
-# the large graph (see the module docstring).
+# Batches of at most this many tokens run the small graph, larger ones the large graph.
 SMALL_BATCH_TOKENS = 4
 # The inductor settings of each graph, on top of weight freezing.
 GRAPHS: dict[str, dict[str, object]] = {
@@ -79,9 +75,7 @@ GRAPHS: dict[str, dict[str, object]] = {
     "large": {},
     "logits": {"max_autotune": True, "max_autotune_gemm_backends": "CPP"},
 }
-# The graphs whose matmuls stay inductor's even where the engine's bfloat16 GEMM runs: for up to
-# SMALL_BATCH_TOKENS rows the template reads a weight as fast, and a one-request step through
-# the graph that keeps it measured 1.5-2 ms faster (07_engine/topics/performance.md).
+# The graphs whose matmuls are inductor's GEMM template where the engine runs no GEMM of its own.
 TEMPLATE_GRAPHS = frozenset({"small", "logits"})
 STAMP = "key.txt"
 # The code a graph is traced from: the models, their layers, this module, and chapter 02's
@@ -95,10 +89,12 @@ _SOURCES = [
 
 
 def template_graphs(config: EngineConfig) -> frozenset[str]:
-    """The graphs whose matmuls are inductor's template: :data:`TEMPLATE_GRAPHS`, none where the
-    model is float32 and the engine's float32 GEMM runs here (the module docstring says why)."""
-    float32_gemm = config.torch_dtype == torch.float32 and f32_gemm.gemm_available()
-    return frozenset() if float32_gemm else TEMPLATE_GRAPHS
+    """The graphs whose matmuls are inductor's template: none where the engine's own GEMM runs for
+    the model's dtype on this CPU, :data:`TEMPLATE_GRAPHS` elsewhere (the module docstring says why)."""
+    own_gemm = (config.torch_dtype == torch.float32 and f32_gemm.gemm_available()) or (
+        config.torch_dtype == torch.bfloat16 and bf16_gemm.gemm_available()
+    )
+    return frozenset() if own_gemm else TEMPLATE_GRAPHS
 
 
 def graph_names(config: EngineConfig) -> list[str]:
@@ -212,30 +208,8 @@ def _example_inputs(num_tokens: int, kv_cache: torch.Tensor, block_size: int) ->
     )
 
 
-@contextlib.contextmanager
-def _inductor_matmuls(model: nn.Module, name: str, config: EngineConfig) -> Iterator[None]:
-    """Within: the linear layers that graph ``name`` leaves to inductor trace as ``F.linear``,
-    their weights packed for the engine's GEMM set aside (and put back after): all of them in the
-    template's graphs (:func:`template_graphs`)."""
-    with_gemm = [m for m in model.modules() if isinstance(m, PrepackableWeight) and m.gemm_weight is not None]
-    layers = with_gemm if name in template_graphs(config) else []
-    kept = [m.gemm_weight for m in layers]
-    for m in layers:
-        m.gemm_weight = None
-    try:
-        yield
-    finally:
-        for m, packed in zip(layers, kept):
-            m.gemm_weight = packed
-
-
 def _compile_graph(model: nn.Module, kv_cache: torch.Tensor, config: EngineConfig, name: str, path: Path) -> None:
     """Export graph ``name`` (the forward for its token range, or the LM head) and compile it into ``path``."""
-    with _inductor_matmuls(model, name, config):
-        _export_and_package(model, kv_cache, config, name, path)
-
-
-def _export_and_package(model: nn.Module, kv_cache: torch.Tensor, config: EngineConfig, name: str, path: Path) -> None:
     if name == "logits":
         rows = torch.export.Dim("rows", min=1, max=SMALL_BATCH_TOKENS)
         hidden = kv_cache.new_zeros(SMALL_BATCH_TOKENS, config.hf_config.hidden_size)
@@ -347,7 +321,7 @@ class CompiledForward:
         """The LM head's logits of ``hidden``'s rows through the compiled graph, for 1 to
         :data:`SMALL_BATCH_TOKENS` rows (its GEMM template reads the 28 M weights of the default
         model's head faster than oneDNN does for a row or two); None for any other count, and where
-        there is no such graph (:func:`graph_names`)."""
+        there is no such graph: where the engine's GEMM runs (:func:`graph_names`)."""
         if "logits" not in self.graphs or not 1 <= hidden.shape[0] <= SMALL_BATCH_TOKENS:
             return None
         return self.graphs["logits"](hidden)

@@ -1,5 +1,5 @@
 """The engine's bfloat16 matmul on CPUs with AVX-512 BF16 (``bf16_gemm.cpp``): every linear layer
-and the LM head when eager, and in the compiled graph of more than a few tokens.
+and the LM head, eager and in the compiled graphs.
 
 A decode step is matrix-vector products over every weight: at one row the time is reading the
 weights, at 32 it starts to be arithmetic. oneDNN's bfloat16 GEMM (what ``F.linear`` and the
@@ -11,10 +11,10 @@ independent sums as the rows allow. Measured against both on every weight shape 
 model, in ``07_engine/benchmarks/bench_linears.py`` (07_engine/topics/performance.md).
 
 It is a torch operator, ``torch.ops.vllm_fs_gemm.linear``, with a fake implementation, so the
-large compiled graph traces through it and calls it between its fused loops, the packed weights
-frozen as its constants; the graphs of up to four tokens keep inductor's own GEMM template, as
-fast there (``compilation.TEMPLATE_GRAPHS``). Products are float32 sums of the exact bfloat16 products,
-rounded once to bfloat16 as oneDNN's are, in another order.
+compiled graphs trace through it and call it between their fused loops, the packed weights frozen
+as its constants, in place of inductor's own GEMM template (``compilation.template_graphs``).
+Products are float32 sums of the exact bfloat16 products, rounded once to bfloat16 as oneDNN's
+are, in another order.
 
 Built once per machine and cached as chapter 02's kernels are (``cpp_kernel.py``), only where
 ``/proc/cpuinfo`` lists ``avx512_bf16``: elsewhere :func:`gemm_available` is False and the layers
