@@ -100,12 +100,13 @@ inline void tile(const Problem& p, int64_t row, int64_t block, const uint16_t* a
 }
 
 // Every row of x times blocks [block, block + NR): MR rows at a time, then the rest; the last
-// row tiles prefetch the next NR blocks (kAheadTiles).
+// row tiles prefetch the next NR blocks (kAheadTiles) where the same thread's share, which ends
+// before block `end`, holds them.
 template <int MR, int NR>
-void rows(const Problem& p, int64_t block) {
+void rows(const Problem& p, int64_t block, int64_t end) {
   const int64_t row_tiles = (p.m + MR - 1) / MR;
   const int64_t span = std::min(row_tiles - 1, kAheadTiles);
-  const bool more = block + 2 * NR <= (p.n + kBlock - 1) / kBlock;  // a whole tile of NR blocks follows
+  const bool more = block + 2 * NR <= end;  // a whole tile of NR blocks follows
   const uint16_t* next = span > 0 && more ? p.w + (block + NR) * p.pairs * 2 * kBlock : nullptr;
   // Row tile t's share of the next tile's pairs: none before the last span, then 1 / span each.
   auto run = [&]<int R>(int64_t row) {
@@ -132,25 +133,25 @@ void rows(const Problem& p, int64_t block) {
 template <int MR, int NR>
 void blocks(const Problem& p, int64_t first, int64_t count) {
   int64_t block = first;
-  for (; block + NR <= first + count; block += NR) rows<MR, NR>(p, block);
+  for (; block + NR <= first + count; block += NR) rows<MR, NR>(p, block, first + count);
   const int64_t rest = first + count - block;
   if constexpr (NR > 1) {
     if (rest > 0) {
       [&]<int... J>(std::integer_sequence<int, J...>) {
-        ((rest == J + 1 ? rows<MR, J + 1>(p, block) : void()), ...);
+        ((rest == J + 1 ? rows<MR, J + 1>(p, block, first + count) : void()), ...);
       }(std::make_integer_sequence<int, NR - 1>{});
     }
   }
 }
 
-// Tiles split across the threads; a thread's share is whole tiles of consecutive blocks.
+// Blocks split evenly across the threads, each share in tiles of NR (its last one narrower):
+// shares of whole tiles left the 576 columns of the default model's attention output and MLP
+// down projections 5 tiles to one thread and 4 to the other, and a one-row pass over all its
+// weights took 4.36-4.46 ms against 4.12-4.20 split by blocks (Zen 5 VM).
 template <int MR, int NR>
 void gemm(const Problem& p) {
   const int64_t num_blocks = (p.n + kBlock - 1) / kBlock;
-  const int64_t num_tiles = (num_blocks + NR - 1) / NR;
-  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
-    blocks<MR, NR>(p, begin * NR, std::min(end * NR, num_blocks) - begin * NR);
-  });
+  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) { blocks<MR, NR>(p, begin, end - begin); });
 }
 
 }  // namespace
