@@ -24,8 +24,14 @@ of reading its weights at the measured read rate and its FLOP at the measured ma
 (``floors.py``, measured first in the same run). 100 % is the machine's limit; a shape whose
 weights stay in the L3 cache can pass it.
 
+A shape's weights together (20-106 MB of the default model's) can stay in a large L3 cache from
+one pass to the next, which a step's 269 MB cannot. ``--step-order`` also times every weight once
+in the order a forward and its LM head read them, layer after layer, through the eager paths
+(``packed`` and the engine's GEMM): what a step's linears cost.
+
     .venv/bin/python 07_engine/benchmarks/bench_linears.py                    # rows 1 and 32
     .venv/bin/python 07_engine/benchmarks/bench_linears.py --rows 1 4 16 --json linears.json
+    .venv/bin/python 07_engine/benchmarks/bench_linears.py --rows 1 16 32 --step-order
 """
 
 from __future__ import annotations
@@ -73,10 +79,16 @@ class Linears(nn.Module):
         return [F.linear(x, w) for w in self.weights]
 
 
-def engine_weight_shapes(model_dir: str, dtype: str) -> Counter[tuple[int, int]]:
-    """``{(out, in): count}`` of the weights the engine multiplies, as its layers hold them."""
+def engine_weight_order(model_dir: str, dtype: str) -> list[tuple[int, int]]:
+    """The ``(out, in)`` shape of every weight the engine multiplies, as its layers hold them, in
+    the order a forward and its LM head read them."""
     runner = ModelRunner(EngineConfig(model_dir, device="cpu", dtype=dtype, enforce_eager=True, warm_up=False))
-    return Counter(tuple(m.weight.shape) for m in runner.model.modules() if isinstance(m, PrepackableWeight))
+    return [tuple(m.weight.shape) for m in runner.model.modules() if isinstance(m, PrepackableWeight)]
+
+
+def engine_weight_shapes(model_dir: str, dtype: str) -> Counter[tuple[int, int]]:
+    """``{(out, in): count}`` of the weights the engine multiplies."""
+    return Counter(engine_weight_order(model_dir, dtype))
 
 
 def matmul_paths(weights: list[torch.Tensor], x: torch.Tensor) -> dict[str, Callable[[], list[torch.Tensor]]]:
@@ -105,6 +117,52 @@ def matmul_paths(weights: list[torch.Tensor], x: torch.Tensor) -> dict[str, Call
 
         paths[method] = run
     return {method: paths[method] for method in methods_for(weights[0].dtype)}
+
+
+def step_order_paths(weights: list[torch.Tensor], rows: int) -> dict[str, Callable[[], list[torch.Tensor]]]:
+    """One pass of ``rows`` rows over ``weights``, whose inputs may differ in width, through the eager
+    paths of :func:`methods_for` their dtype (``packed`` and the engine's GEMM where it runs)."""
+    dtype = weights[0].dtype
+    generator = torch.Generator().manual_seed(0)
+    xs = {k: torch.randn(rows, k, generator=generator).to(dtype) for k in sorted({w.shape[1] for w in weights})}
+    packed = [pack_weight(w, rows) for w in weights]
+    paths = {"packed": lambda: [linear(xs[w.shape[1]], w, packed=p) for w, p in zip(weights, packed)]}
+    if "bf16_gemm" in methods_for(dtype):
+        own = [bf16_gemm.pack(w) for w in weights]
+        paths["bf16_gemm"] = lambda: [
+            bf16_gemm.linear(xs[w.shape[1]], p, None, w.shape[0]) for w, p in zip(weights, own)
+        ]
+    if "f32_gemm" in methods_for(dtype):
+        own32 = [f32_gemm.pack(w) for w in weights]
+        paths["f32_gemm"] = lambda: [
+            f32_gemm.linear(xs[w.shape[1]], p, None, w.shape[0]) for w, p in zip(weights, own32)
+        ]
+    return paths
+
+
+def time_step_order(
+    order: list[tuple[int, int]], rows_list: list[int], dtype: torch.dtype, floors: Floors
+) -> list[dict]:
+    """For each row count: the seconds of one pass over fresh weights of ``order``'s shapes through
+    each of :func:`step_order_paths`, and their floor."""
+    generator = torch.Generator().manual_seed(1)
+    weights = [(torch.randn(shape, generator=generator) * 0.02).to(dtype) for shape in order]
+    results = []
+    for rows in rows_list:
+        paths = step_order_paths(weights, rows)
+        seconds = {method: best_seconds(fn, REPEATS, warm_calls=2) for method, fn in paths.items()}
+        floor = sum(floor_seconds(floors, shape, 1, rows, weights[0].element_size()) for shape in order)
+        results.append({"rows": rows, "floor_s": floor, "seconds": seconds})
+    return results
+
+
+def print_step_order(results: list[dict], megabytes: float) -> None:
+    """One line per row count: each path's milliseconds for a step's linears and, in brackets, the
+    floor over that time."""
+    print(f"every weight once, in a step's order ({megabytes:.1f} MB); load {load_average()}")
+    for r in results:
+        cells = "".join(f"  {m} {s * 1e3:.2f} ms [{r['floor_s'] / s:4.0%}]" for m, s in r["seconds"].items())
+        print(f"{r['rows']:>4} rows{cells}")
 
 
 def time_methods(weights: list[torch.Tensor], rows: int) -> dict[str, float]:
@@ -170,6 +228,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="the weights' dtype (default: bfloat16)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 32], help="rows per matmul (default: 1 32)")
+    parser.add_argument(
+        "--step-order", action="store_true", help="also time every weight once in a step's order (eager paths)"
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON")
     add_quiet_arg(parser)
     args = parser.parse_args()
@@ -177,7 +238,8 @@ def main() -> None:
         parser.error("--threads and --rows must be >= 1")
     torch.set_num_threads(args.threads)
     model_dir = str(args.model or default_model_dir())
-    shapes = engine_weight_shapes(model_dir, args.dtype)
+    order = engine_weight_order(model_dir, args.dtype)
+    shapes = Counter(order)
     dtype = getattr(torch, args.dtype)
     check_quiet(args.refuse_busy)
     floors = measure_floors(model_dir, dtype)
@@ -199,10 +261,13 @@ def main() -> None:
     if "bf16_gemm" in methods_for(dtype):
         own_gemm = "bf16_gemm"
     print_table(results, args.rows, dtype.itemsize, own_gemm, template_graphs(config))
+    report = {"machine": machine_line(), "floors": floors.as_json(), "results": results}
+    if args.step_order:
+        with torch.inference_mode():
+            report["step_order"] = time_step_order(order, args.rows, dtype, floors)
+        print_step_order(report["step_order"], sum(o * i for o, i in order) * dtype.itemsize / 1e6)
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({"machine": machine_line(), "floors": floors.as_json(), "results": results}, indent=2)
-        )
+        Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
 
 

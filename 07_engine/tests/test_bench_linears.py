@@ -12,7 +12,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from bench_linears import engine_weight_shapes, floor_seconds, matmul_paths, methods_for, print_table
+from bench_linears import (
+    engine_weight_order,
+    engine_weight_shapes,
+    floor_seconds,
+    matmul_paths,
+    methods_for,
+    print_step_order,
+    print_table,
+    step_order_paths,
+    time_step_order,
+)
 from floors import Floors, ModelFootprint
 from vllm_from_scratch.layers import f32_gemm
 
@@ -31,6 +41,50 @@ def test_the_shapes_are_the_engines_fused_weights(tiny_llama_dir):
     linears = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
     head = model.get_output_embeddings().weight
     assert sum(o * i * n for (o, i), n in shapes.items()) == sum(w.numel() for w in linears) + head.numel()
+
+
+def test_the_step_order_is_a_forwards_layer_after_layer_then_the_head(tiny_llama_dir):
+    order = engine_weight_order(str(tiny_llama_dir), "float32")
+    config = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).config
+    hidden, head_dim = config.hidden_size, config.hidden_size // config.num_attention_heads
+    qkv_rows = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+    layer = [(qkv_rows, hidden), (hidden, config.num_attention_heads * head_dim)]
+    layer += [(2 * config.intermediate_size, hidden), (hidden, config.intermediate_size)]
+    assert order == layer * config.num_hidden_layers + [(config.vocab_size, hidden)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_step_order_paths_multiply_each_weight_by_an_input_of_its_width(rows, dtype):
+    generator = torch.Generator().manual_seed(rows)
+    weights = [torch.randn(shape, generator=generator).to(dtype) for shape in [(48, 32), (32, 80), (16, 32)]]
+    paths = step_order_paths(weights, rows)
+    assert list(paths) == [m for m in methods_for(dtype) if m in ("packed", "bf16_gemm", "f32_gemm")]
+    tolerance = dict(rtol=1.6e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    reference = paths["packed"]()
+    for method, run in paths.items():
+        outputs = run()
+        assert [tuple(o.shape) for o in outputs] == [(rows, w.shape[0]) for w in weights], method
+        for out, ref in zip(outputs, reference):
+            torch.testing.assert_close(out.double(), ref.double(), **tolerance, msg=method)
+    # The inputs of one width are one tensor: the second weight's is 80 wide, the others' 32.
+    first, _, third = paths["packed"]()
+    x32 = torch.linalg.lstsq(weights[0].double(), first.double().T).solution.T
+    torch.testing.assert_close(third.double(), x32 @ weights[2].double().T, rtol=5e-2, atol=5e-2)
+
+
+def test_the_step_order_floor_adds_every_weights_and_the_line_gives_each_path(capsys):
+    order = [(48, 32), (32, 80), (48, 32)]
+    floors = Floors(read_bytes_per_s=1e9, gemm_flop_per_s=1e12, footprint=ModelFootprint(0, 0, 0, {}, 4))
+    results = time_step_order(order, [1, 3], torch.float32, floors)
+    assert [r["rows"] for r in results] == [1, 3]
+    for r in results:
+        assert r["floor_s"] == pytest.approx(sum(floor_seconds(floors, shape, 1, r["rows"], 4) for shape in order))
+        assert set(r["seconds"]) == set(step_order_paths([torch.zeros(2, 2)], 1)) and min(r["seconds"].values()) > 0
+    print_step_order([{"rows": 16, "floor_s": 0.002, "seconds": {"packed": 0.004, "bf16_gemm": 0.002}}], 269.0)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("every weight once, in a step's order (269.0 MB)")
+    assert out[1] == "  16 rows  packed 4.00 ms [ 50%]  bf16_gemm 2.00 ms [100%]"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
