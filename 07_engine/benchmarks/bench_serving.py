@@ -29,7 +29,7 @@ One measured run of this load moves by about 7 % from run to run on a shared 2-c
 the table gives each server's median round, with every round's tok/s under it.
 
 The VM's own speed drifts too: three such runs within an hour gave one server 92-96 and the other
-58-72 tok/s, their ratio 1.28x, 1.62x and 1.33x (07_engine/topics/performance.md). With
+58-72 tok/s, their ratio 1.28x, 1.62x and 1.33x (07_engine/topics/other_cpus.md). With
 ``--interleave`` every server starts and warms up first, and then they take turns, round by round,
 so each round of ours sits minutes from the same round of vLLM's and a drift slows both alike.
 The servers not being measured are stopped (SIGSTOP, every process of theirs), holding their

@@ -11,7 +11,7 @@
 // independent float32 sums, 12 of AVX2's 16 registers, so the two FMA units never wait on one.
 // The sums must stay in registers: every loop over them is unrolled, or the compiler keeps them
 // on the stack and a store per FMA halves the speed. oneDNN's float32 GEMM, whose tiles suit
-// large M, reads a weight half as fast at a few rows (07_engine/topics/performance.md).
+// large M, reads a weight half as fast at a few rows (07_engine/topics/other_cpus.md).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

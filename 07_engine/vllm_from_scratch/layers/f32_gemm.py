@@ -7,7 +7,7 @@ rows, and inductor's own template (``compilation.py``) falls behind from about e
 here packs each weight once into the layout its FMAs read and keeps 12 independent sums in
 registers; for many rows it splits x into bands that stay in the L2 cache. All the default
 model's weights on a 2-core Zen 3: 1 row 24 ms against oneDNN's 46, 16 rows 51 against 73, 128
-rows 250 against 278, 512 rows 930 against 946 (07_engine/topics/performance.md).
+rows 250 against 278, 512 rows 930 against 946 (07_engine/topics/other_cpus.md).
 
 It is a torch operator, ``torch.ops.vllm_fs_f32_gemm.linear``, with a fake implementation, so the
 compiled graphs trace through it. Products are float32 sums in another order than oneDNN's.
