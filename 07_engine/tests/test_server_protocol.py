@@ -386,6 +386,26 @@ def test_two_apps_have_separate_registries(tokenizer):
         assert 'vllm:generation_tokens_total{engine="0",model_name="b"} 0.0' in b.get("/metrics").text
 
 
+def test_a_client_that_has_its_tokens_finds_them_in_the_metrics(tokenizer, monkeypatch):
+    """The engine thread takes its stats snapshot, which /metrics reads, before it hands a step's
+    outputs to their clients: every output goes out with the snapshot of the step that made it."""
+    seen = []
+    dispatch = AsyncLLM._dispatch
+
+    def checked(self, outputs):
+        if outputs:
+            seen.append((self.stats["generation_tokens_total"], self.engine.get_stats()["generation_tokens_total"]))
+        dispatch(self, outputs)
+
+    monkeypatch.setattr(AsyncLLM, "_dispatch", checked)
+    with TestClient(build_app(ScriptedEngine(tokenizer), "a")) as a:
+        for max_tokens, total in ((1, 1), (3, 4)):
+            a.post("/v1/completions", json={"prompt": [10], "max_tokens": max_tokens})
+            assert f'vllm:generation_tokens_total{{engine="0",model_name="a"}} {total:.1f}' in a.get("/metrics").text
+    assert seen and all(snapshot == engine for snapshot, engine in seen), seen
+    assert seen[-1] == (4, 4)
+
+
 def test_dead_engine_loop_fails_requests_and_health(client):
     assert client.get("/health").status_code == 200
     resp = client.post("/v1/completions", json={"prompt": [CRASH_TOKEN], "max_tokens": 2})

@@ -128,8 +128,8 @@ class AsyncLLM:
     """Runs ``engine`` in one background thread and serves its outputs to asyncio tasks.
 
     ``stats`` is the engine's ``get_stats()`` snapshot, taken on the engine thread after each
-    step, for ``/metrics`` to read from any thread (the engine's own stat logger, if any, hears
-    of each request on the engine thread).
+    step and before its outputs go out, for ``/metrics`` to read from any thread (the engine's
+    own stat logger, if any, hears of each request on the engine thread).
     """
 
     def __init__(self, engine: LLMEngine):
@@ -195,9 +195,10 @@ class AsyncLLM:
             while True:
                 if not self._apply_commands(block=not self.engine.has_unfinished_requests()):
                     return
-                if self.engine.has_unfinished_requests():
-                    self._dispatch(self._step())
+                outputs = self._step() if self.engine.has_unfinished_requests() else []
+                # The snapshot before the outputs: a client that has its tokens finds them counted.
                 self.stats = dict(self.engine.get_stats())
+                self._dispatch(outputs)
         except BaseException as exc:  # noqa: BLE001 - any crash must reach the clients
             log.exception("engine loop died")
             self.error = exc
