@@ -15,9 +15,9 @@ change to the model's code:
 * AOTInductor compiles the graph to C++ with the weights frozen (constants), so norms, residual
   adds, RoPE and SiLU·mul fuse into loops between the matmuls, and packs it with its weights into
   one file. Two graphs, split by token count (:data:`SMALL_BATCH_TOKENS`). Where the engine's
-  GEMM runs, both call it for every matmul and the LM head stays its one call: it reads the
-  weights of a one-token step faster than inductor's own GEMM template on every CPU measured
-  (3.2x on a Zen 5 VM, where a one-request step took 8.1 ms against 16.1 through the template).
+  GEMM runs, both call it for every matmul and the LM head stays its one call: it read the
+  weights of a one-token step as fast as inductor's own GEMM template or faster on every CPU
+  measured (3.2x on a Zen 5 VM, where a one-request step took 8.1 ms against 16.1 through it).
   Elsewhere small batches use the template (``max_autotune`` with its C++ kernels), which reads a
   weight about twice as fast as oneDNN when a matmul has a row or two, larger ones keep oneDNN's
   packed GEMMs, which the template falls far behind from about eight rows, and one more graph is
