@@ -41,6 +41,7 @@ import json
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -94,17 +95,7 @@ def engine_weight_shapes(model_dir: str, dtype: str) -> Counter[tuple[int, int]]
 def matmul_paths(weights: list[torch.Tensor], x: torch.Tensor) -> dict[str, Callable[[], list[torch.Tensor]]]:
     """One pass of ``x`` over ``weights`` through each path of :func:`methods_for` their dtype, as
     calls to time: the same products every time (``test_bench_linears.py`` checks that they agree)."""
-    packed = [pack_weight(w, x.shape[0]) for w in weights]
-    paths = {
-        "F.linear": lambda: [F.linear(x, w) for w in weights],
-        "packed": lambda: [linear(x, w, packed=p) for w, p in zip(weights, packed)],
-    }
-    if "bf16_gemm" in methods_for(weights[0].dtype):
-        own = [bf16_gemm.pack(w) for w in weights]
-        paths["bf16_gemm"] = lambda: [bf16_gemm.linear(x, p, None, w.shape[0]) for w, p in zip(weights, own)]
-    if "f32_gemm" in methods_for(weights[0].dtype):
-        own32 = [f32_gemm.pack(w) for w in weights]
-        paths["f32_gemm"] = lambda: [f32_gemm.linear(x, p, None, w.shape[0]) for w, p in zip(weights, own32)]
+    paths = {"F.linear": lambda: [F.linear(x, w) for w in weights], **eager_paths(weights, lambda w: x)}
     for method, graph in (("graph small", "small"), ("graph large", "large")):
         compiled = torch.compile(Linears(weights).eval(), options=GRAPHS[graph])
 
@@ -119,25 +110,32 @@ def matmul_paths(weights: list[torch.Tensor], x: torch.Tensor) -> dict[str, Call
     return {method: paths[method] for method in methods_for(weights[0].dtype)}
 
 
-def step_order_paths(weights: list[torch.Tensor], rows: int) -> dict[str, Callable[[], list[torch.Tensor]]]:
-    """One pass of ``rows`` rows over ``weights``, whose inputs may differ in width, through the eager
-    paths of :func:`methods_for` their dtype (``packed`` and the engine's GEMM where it runs)."""
-    dtype = weights[0].dtype
-    generator = torch.Generator().manual_seed(0)
-    xs = {k: torch.randn(rows, k, generator=generator).to(dtype) for k in sorted({w.shape[1] for w in weights})}
+def eager_paths(
+    weights: list[torch.Tensor], x_for: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[str, Callable[[], list[torch.Tensor]]]:
+    """One pass over ``weights``, weight ``w`` times ``x_for(w)``, through the eager paths of
+    :func:`methods_for` their dtype: ``packed`` and the engine's GEMM where it runs."""
+    rows = x_for(weights[0]).shape[0]
     packed = [pack_weight(w, rows) for w in weights]
-    paths = {"packed": lambda: [linear(xs[w.shape[1]], w, packed=p) for w, p in zip(weights, packed)]}
-    if "bf16_gemm" in methods_for(dtype):
-        own = [bf16_gemm.pack(w) for w in weights]
-        paths["bf16_gemm"] = lambda: [
-            bf16_gemm.linear(xs[w.shape[1]], p, None, w.shape[0]) for w, p in zip(weights, own)
-        ]
-    if "f32_gemm" in methods_for(dtype):
-        own32 = [f32_gemm.pack(w) for w in weights]
-        paths["f32_gemm"] = lambda: [
-            f32_gemm.linear(xs[w.shape[1]], p, None, w.shape[0]) for w, p in zip(weights, own32)
-        ]
+    paths = {"packed": lambda: [linear(x_for(w), w, packed=p) for w, p in zip(weights, packed)]}
+    for name, gemm in (("bf16_gemm", bf16_gemm), ("f32_gemm", f32_gemm)):
+        if name in methods_for(weights[0].dtype):
+            own = [gemm.pack(w) for w in weights]
+
+            def run(gemm: ModuleType = gemm, own: list[torch.Tensor] = own) -> list[torch.Tensor]:
+                return [gemm.linear(x_for(w), p, None, w.shape[0]) for w, p in zip(weights, own)]
+
+            paths[name] = run
     return paths
+
+
+def step_order_paths(weights: list[torch.Tensor], rows: int) -> dict[str, Callable[[], list[torch.Tensor]]]:
+    """:func:`eager_paths` for ``rows`` rows over ``weights`` whose inputs may differ in width: one
+    input per width."""
+    generator = torch.Generator().manual_seed(0)
+    widths = sorted({w.shape[1] for w in weights})
+    xs = {k: torch.randn(rows, k, generator=generator).to(weights[0].dtype) for k in widths}
+    return eager_paths(weights, lambda w: xs[w.shape[1]])
 
 
 def time_step_order(
