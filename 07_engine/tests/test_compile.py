@@ -94,14 +94,24 @@ def test_second_engine_loads_the_cached_graphs(monkeypatch, tmp_path, forward_si
 
 
 @pytest.mark.slow
-def test_the_lm_head_of_a_few_rows_runs_compiled_where_it_has_a_graph(forward_sizes, tiny_llama_dir):
+@pytest.mark.parametrize("engine_gemm", [True, False])
+def test_the_lm_head_of_a_few_rows_runs_compiled_where_it_has_a_graph(
+    monkeypatch, forward_sizes, tiny_llama_dir, engine_gemm
+):
     """Where the engine's float32 GEMM runs there is no LM-head graph, and every row count takes
-    the model's own head."""
+    the model's own head. Without it (here also forced off) the small batches and the LM head of
+    a few rows run inductor's template graphs: transformers' greedy tokens, the model's logits."""
+    if not engine_gemm:
+        monkeypatch.setattr(f32_gemm, "gemm_available", lambda: False)
     llm = LLM(tiny_llama_dir, kvcache_block_size=BLOCK, num_kvcache_blocks=64, dtype="float32", device="cpu")
     runner = llm.llm_engine.executor.runner
     hidden = torch.randn(SMALL_BATCH_TOKENS + 1, runner.config.hf_config.hidden_size)
     has_graph = "logits" in compilation.graph_names(runner.config)
-    assert has_graph != f32_gemm.gemm_available()
+    assert has_graph != (engine_gemm and f32_gemm.gemm_available())
+    prompts = make_prompts(4, (3, 11))
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == [hf_greedy(tiny_llama_dir, tuple(p)) for p in prompts]
+    assert "small" in {compilation.graph_for(tokens) for tokens in forward_sizes}
     with torch.inference_mode():
         for rows in (1, SMALL_BATCH_TOKENS):
             if not has_graph:
