@@ -11,7 +11,9 @@
 // or few query rows of a decode. Here each (sequence, query head) is a work item that streams its
 // own keys once for the scores and its values once for the output, with no padding and no copy.
 // Where the CPU has AVX512-BF16, bfloat16 heads take decode_bf16 and varlen_bf16, which multiply
-// bfloat16 pairs in hardware (the section at the end).
+// bfloat16 pairs in hardware (the section at the end); decode_bf16's work item is a sequence's KV
+// head with its whole group of query heads, and a batch too small for the threads has its keys
+// split into runs.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -191,13 +193,14 @@ template <int D, typename T>
     for (int i = 0; i < D; i += 64 / sizeof(T)) __builtin_prefetch(rows + j * stride + i);  // 64-byte lines
 }
 
-// scores[0 .. len) replaced by e^(score - their maximum), whose sum it returns. The maximum is
-// written as a comparison because GCC leaves a loop of std::max scalar; it starts finite because
+// scores[0 .. len) replaced by e^(score - their maximum), whose sum it returns (and the maximum
+// through `maximum`, where given: the lowest float for len 0). The maximum is written as a comparison because GCC leaves a loop of std::max scalar; it starts finite because
 // -ffast-math assumes no infinities.
-inline float softmax_in_place(float* scores, int64_t len) {
+inline float softmax_in_place(float* scores, int64_t len, float* maximum = nullptr) {
   float max_score = std::numeric_limits<float>::lowest();
 #pragma omp simd reduction(max : max_score)
   for (int64_t t = 0; t < len; ++t) max_score = scores[t] > max_score ? scores[t] : max_score;
+  if (maximum) *maximum = max_score;
   float total = 0.f;
 #pragma omp simd reduction(+ : total)
   for (int64_t t = 0; t < len; ++t) {
@@ -617,80 +620,152 @@ inline __m512i weight_pairs(__m512 first, __m512 second) {
   return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(second, first));
 }
 
-// Where token t of a sequence lies in its layer's cache (keys and values alike), for every t.
-inline void token_offsets(const int* table, int64_t len, int64_t kv_head, int64_t head_dim, const Shape& s,
-                          int64_t* offsets) {
+// Where tokens first .. first + count of a sequence lie in its layer's cache (keys and values
+// alike), one KV head's rows; block and row counted forward, never divided out per token.
+inline void run_offsets(const int* table, int64_t first, int64_t count, int64_t kv_head, int64_t head_dim,
+                        const Shape& s, int64_t* offsets) {
   const int64_t token_stride = s.num_kv_heads * head_dim;
-  for (int64_t start = 0, b = 0; start < len; start += s.block_size, ++b) {
-    const int64_t base = table[b] * s.block_size * token_stride + kv_head * head_dim;
-    const int64_t n = std::min(s.block_size, len - start);
-    for (int64_t j = 0; j < n; ++j) offsets[start + j] = base + j * token_stride;
+  int64_t block = first / s.block_size, row = first % s.block_size;
+  for (int64_t i = 0; i < count; ++i) {
+    offsets[i] = (table[block] * s.block_size + row) * token_stride + kv_head * head_dim;
+    if (++row == s.block_size) row = 0, ++block;
   }
 }
+
+// A decode work item here is one sequence's KV head with every query head of its group, over a
+// run of its keys. The group's heads share those keys and values, so the item reads them from
+// memory once: the first head's scores take each register's worth of keys from memory, the
+// others' from L1, and each register's worth of values is interleaved into pairs once for all the
+// heads. Where a batch has too few (sequence, KV head) pairs to give every thread kItemsPerThread
+// items (one or two long chats), each pair's keys are split into runs, each run's softmax kept
+// relative to its own maximum, and the runs merged at the end with the rescaling of the online
+// softmax. Memory is kept busy by prefetching: keys two registers ahead; during the scores, the
+// same register's values into L2; during the values, a share of the next item's keys.
+constexpr int64_t kItemsPerThread = 2;
 
 template <int D>
 void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
                  const int* block_tables, const int* context_lens, at::BFloat16* out, const Shape& s, float scale) {
   constexpr int W = D / 32, C = D / 16;
-  static const at::BFloat16 zero_row[D] = {};  // the partner of an odd context's last value
+  static const at::BFloat16 zero_row[D] = {};  // the partner of a run's odd last value
   const int64_t group = s.num_q_heads / s.num_kv_heads;
-  at::parallel_for(0, s.num_seqs * s.num_q_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(s.max_len + 2 * kLanes);  // whole registers, and a zero weight past the end
-    std::vector<int64_t> offsets(s.max_len + kLanes);
+  const int64_t num_pairs = s.num_seqs * s.num_kv_heads;
+  const int64_t wanted = kItemsPerThread * at::get_num_threads();
+  const int64_t runs = std::min((wanted + num_pairs - 1) / num_pairs, (s.max_len + kLanes - 1) / kLanes);
+  const int64_t num_items = num_pairs * runs;
+  const auto round_up = [](int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; };
+  const int64_t most_keys = round_up((s.max_len + runs - 1) / runs);
+  // Where runs > 1, every (item, head)'s maximum, total and sums in pair order, for the merge.
+  const int64_t record = 2 + D;
+  std::vector<float> partial(runs > 1 ? num_items * group * record : 0);
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * most_keys);
+    std::vector<uint32_t> weights(group * most_keys / 2);  // keys 2i and 2i + 1's weights, bfloat16 in a word
+    std::vector<int64_t> offsets(most_keys), next_offsets(most_keys);
+    std::vector<__m512> acc(group * C);
+    std::vector<float> maxima(group), totals(group);
+    alignas(64) __m512i pairs[kLanes / 2][C];
+    // Fills `into` with the item's key offsets and returns how many keys it has.
+    auto item_offsets = [&](int64_t item, std::vector<int64_t>& into) {
+      const int64_t seq = item / runs / s.num_kv_heads, kv_head = item / runs % s.num_kv_heads;
+      const int64_t len = context_lens[seq], per_run = round_up((len + runs - 1) / runs);
+      const int64_t first = std::min(len, item % runs * per_run), count = std::min(len - first, per_run);
+      run_offsets(block_tables + seq * s.max_blocks, first, count, kv_head, D, s, into.data());
+      return count;
+    };
+    int64_t next_count = begin < end ? item_offsets(begin, next_offsets) : 0;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / s.num_q_heads;
-      const int64_t kv_head = item % s.num_q_heads / group;
-      const int64_t len = context_lens[seq];
-      // A sequence's nine heads share their tokens' places; they are found once per KV head.
-      if (item == begin || item % group == 0)
-        token_offsets(block_tables + seq * s.max_blocks, len, kv_head, D, s, offsets.data());
-      NextHead next = next_head(item, end, group, len, kLanes, block_tables, context_lens, s);
-      __m512bh query[W];
-      for (int w = 0; w < W; ++w) query[w] = (__m512bh)_mm512_loadu_si512(q + item * D + 32 * w);
+      std::swap(offsets, next_offsets);
+      const int64_t count = next_count;
+      next_count = item + 1 < end ? item_offsets(item + 1, next_offsets) : 0;
+      const int64_t seq = item / runs / s.num_kv_heads, kv_head = item / runs % s.num_kv_heads;
+      const int64_t first_head = seq * s.num_q_heads + kv_head * group;
+      const int64_t padded = round_up(count);
+      for (int64_t t = count; t < padded; ++t) offsets[t] = offsets[count - 1];  // whole registers of real keys
+      const int64_t next_per_register = padded ? (next_count + padded / kLanes - 1) / (padded / kLanes) : 0;
+      int64_t next_key = 0;  // the next item's keys prefetched so far
 
-      // Scores, a register's worth of keys at a time; the keys a register ahead are prefetched.
-      for (int64_t t = 0; t < len; t += kLanes) {
-        const int64_t n = std::min<int64_t>(kLanes, len - t);
-        for (int64_t j = t + kLanes; j < std::min(len, t + 2 * kLanes); ++j)
-          prefetch_rows<D>(k_cache + offsets[j], 1, 0);
-        if (next.table) prefetch_run<D>(next, k_cache, v_cache, s);
-        Vec part[kLanes];
-        for (int j = 0; j < kLanes; ++j) {
-          if (j >= n) {
-            part[j] = Vec{};
-            continue;
-          }
-          const at::BFloat16* key = k_cache + offsets[t + j];
-          __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), query[0], (__m512bh)_mm512_loadu_si512(key));
+      for (int64_t t = 0; t < count; t += kLanes) {
+        for (int64_t j = t + 2 * kLanes; j < std::min(count, t + 3 * kLanes); ++j) prefetch_rows<D>(k_cache + offsets[j], 1, 0);
+        for (int64_t j = t; j < std::min(count, t + kLanes); ++j)
+          for (int i = 0; i < D; i += 32) __builtin_prefetch(v_cache + offsets[j] + i, 0, 2);
+        for (int64_t h = 0; h < group; ++h) {
+          __m512bh query[W];
+          for (int w = 0; w < W; ++w) query[w] = (__m512bh)_mm512_loadu_si512(q + (first_head + h) * D + 32 * w);
+          Vec part[kLanes];
+          for (int j = 0; j < kLanes; ++j) {
+            const at::BFloat16* key = k_cache + offsets[t + j];
+            __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), query[0], (__m512bh)_mm512_loadu_si512(key));
 #pragma GCC unroll 8
-          for (int w = 1; w < W; ++w) sum = _mm512_dpbf16_ps(sum, query[w], (__m512bh)_mm512_loadu_si512(key + 32 * w));
-          part[j] = bit_cast<Vec>(sum);
+            for (int w = 1; w < W; ++w) sum = _mm512_dpbf16_ps(sum, query[w], (__m512bh)_mm512_loadu_si512(key + 32 * w));
+            part[j] = bit_cast<Vec>(sum);
+          }
+          const Vec dots = sum_lanes(part) * scale;
+          std::memcpy(scores.data() + h * most_keys + t, &dots, sizeof(dots));
         }
-        const Vec dots = sum_lanes(part) * scale;
-        std::memcpy(scores.data() + t, &dots, sizeof(dots));
       }
-      const float total = softmax_in_place(scores.data(), len);
-      scores[len] = 0.f;
-
-      // Values two at a time, each pair against its two weights.
-      __m512 acc[C];
-      for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < len; t += 2) {
-        if (t + kLanes + 1 < len) {
-          prefetch_rows<D>(v_cache + offsets[t + kLanes], 1, 0);
-          prefetch_rows<D>(v_cache + offsets[t + kLanes + 1], 1, 0);
-        }
-        __m512i pairs[C];
-        interleave_rows<D>(v_cache + offsets[t], t + 1 < len ? v_cache + offsets[t + 1] : zero_row, pairs);
-        const uint32_t word = uint32_t{from_float<at::BFloat16>(scores[t]).x} |
-                              uint32_t{from_float<at::BFloat16>(scores[t + 1]).x} << 16;
-        const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+      // Each head's weights, unnormalized, rounded to bfloat16 (to nearest even) and kept in pairs.
+      for (int64_t h = 0; h < group; ++h) {
+        float* row = scores.data() + h * most_keys;
+        totals[h] = softmax_in_place(row, count, &maxima[h]);
+        for (int64_t t = count; t < padded; ++t) row[t] = 0.f;
+        for (int64_t t = 0; t < padded; t += kLanes)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights.data() + (h * most_keys + t) / 2),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + t)));
+        for (int c = 0; c < C; ++c) acc[h * C + c] = _mm512_setzero_ps();
+      }
+      for (int64_t t = 0; t < count; t += kLanes) {
+        for (int64_t j = t + kLanes; j < std::min(count, t + 2 * kLanes); ++j) prefetch_rows<D>(v_cache + offsets[j], 1, 0);
+        for (const int64_t last = std::min(next_count, next_key + next_per_register); next_key < last; ++next_key)
+          for (int i = 0; i < D; i += 32) __builtin_prefetch(k_cache + next_offsets[next_key] + i, 0, 2);
+        const int64_t n = std::min<int64_t>(kLanes, count - t);
+        for (int64_t i = 0; 2 * i < n; ++i)
+          interleave_rows<D>(v_cache + offsets[t + 2 * i], 2 * i + 1 < n ? v_cache + offsets[t + 2 * i + 1] : zero_row,
+                             pairs[i]);
+        for (int64_t h = 0; h < group; ++h) {
+          const uint32_t* w = weights.data() + (h * most_keys + t) / 2;
+          __m512 sums[C];
+          for (int c = 0; c < C; ++c) sums[c] = acc[h * C + c];
+          for (int64_t i = 0; 2 * i < n; ++i) {
+            const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[i]));
 #pragma GCC unroll 16
-        for (int c = 0; c < C; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)pairs[c], weights);
+            for (int c = 0; c < C; ++c) sums[c] = _mm512_dpbf16_ps(sums[c], (__m512bh)pairs[i][c], weight);
+          }
+          for (int c = 0; c < C; ++c) acc[h * C + c] = sums[c];
+        }
       }
-      store_pair_order<D>(acc, 1.f / total, out + item * D);
+      for (int64_t h = 0; h < group; ++h) {
+        const auto& sums = *reinterpret_cast<const __m512(*)[C]>(&acc[h * C]);
+        if (runs == 1) {
+          store_pair_order<D>(sums, 1.f / totals[h], out + (first_head + h) * D);
+          continue;
+        }
+        float* p = partial.data() + (item * group + h) * record;
+        p[0] = maxima[h];  // the lowest float for an empty run, whose total is 0
+        p[1] = totals[h];
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(p + 2 + 16 * c, sums[c]);
+      }
     }
   });
+  if (runs == 1) return;
+  // Each head's runs rescaled from their own maximum to the largest and added: a few hundred
+  // floats a head, cheaper on this thread than another parallel region.
+  for (int64_t head = 0; head < s.num_seqs * s.num_q_heads; ++head) {
+    const float* first = partial.data() + (head / group * runs * group + head % group) * record;
+    float largest = std::numeric_limits<float>::lowest();
+    for (int64_t r = 0; r < runs; ++r) largest = std::max(largest, first[r * group * record]);
+    float total = 0.f;
+    __m512 sums[C];
+    for (int c = 0; c < C; ++c) sums[c] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < runs; ++r) {
+      const float* p = first + r * group * record;
+      if (p[1] == 0.f) continue;
+      const float factor = std::exp(p[0] - largest);
+      total += p[1] * factor;
+      for (int c = 0; c < C; ++c) sums[c] = _mm512_fmadd_ps(_mm512_loadu_ps(p + 2 + 16 * c), _mm512_set1_ps(factor), sums[c]);
+    }
+    store_pair_order<D>(sums, 1.f / total, out + head * D);
+  }
 }
 
 template <int D>

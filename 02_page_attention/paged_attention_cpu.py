@@ -10,7 +10,10 @@ registers, in two kernels:
 
 * **decode** (one query per sequence): one work item per (sequence, query head); keys scored a
   register's worth at a time (sixteen with AVX-512), bfloat16 widened by two bit operations per
-  two registers, the next block's keys prefetched.
+  two registers, the next block's keys prefetched. In bfloat16 on a CPU with AVX512-BF16 a work
+  item is a sequence's KV head with its whole group of query heads, so the group's keys and
+  values are read from memory once; one or two long chats have their keys split into runs,
+  merged with the online softmax's rescaling.
 * **varlen** (prompts, chunks, verification): one work item per tile of up to two registers'
   worth of queries of one sequence that share a KV head, one query per lane, with an online
   softmax; each run of keys is widened once for the whole tile.

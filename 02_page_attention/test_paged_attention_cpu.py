@@ -7,6 +7,7 @@ a fused QKV output. A kernel compiled once loads from the cache in every later p
 build tool its PATH holds.
 """
 
+import contextlib
 import logging
 import os
 import shutil
@@ -44,6 +45,17 @@ needs_kernel = pytest.mark.skipif(
     reason="the C++ kernel could not be built here (no C++ compiler?); the engine uses the torch path",
 )
 TOL_CPU = {**TOL, torch.float16: dict(atol=5e-3, rtol=5e-3)}
+
+
+@contextlib.contextmanager
+def torch_threads(n):
+    """torch's intra-op threads set to n inside the block (the kernels' at::parallel_for uses them)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_kernel
@@ -143,6 +155,7 @@ def attention_batches(draw):
     head_dim, block_size = draw(st.sampled_from(HEAD_DIMS)), draw(st.integers(1, 17))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
     seed = draw(st.integers(0, 2**16))
+    threads = draw(st.integers(1, 3))
     batch = varlen_batch(shapes, num_kv_heads * group, num_kv_heads, head_dim, block_size, dtype, seed)
     k_cache, v_cache, bt = batch[1], batch[2], batch[5]
     used = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
@@ -151,7 +164,7 @@ def attention_batches(draw):
             used[row[p // block_size], p % block_size] = True
     k_cache[~used] = float("nan")
     v_cache[~used] = float("nan")
-    return decode, batch
+    return decode, threads, batch
 
 
 @needs_kernel
@@ -159,16 +172,41 @@ def attention_batches(draw):
 @given(attention_batches())
 def test_both_kernels_on_drawn_batches_read_only_their_sequences(drawn):
     """Every dtype, head size, block size and GQA group, lengths on and off block and register
-    boundaries, odd contexts (the bfloat16 kernels multiply values in pairs)."""
-    decode, (q, k_cache, v_cache, cu, lens, bt, ks, vs) = drawn
+    boundaries, odd contexts (the bfloat16 kernels multiply values in pairs), 1-3 threads (the
+    bfloat16 decode splits the keys of a batch too small for its threads into runs)."""
+    decode, threads, (q, k_cache, v_cache, cu, lens, bt, ks, vs) = drawn
     scale = q.shape[-1] ** -0.5
     tol = TOL_CPU[q.dtype]
+    with torch_threads(threads):
+        if decode:
+            out = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, scale)
+        else:
+            out = paged_attention_varlen_cpu(q, k_cache, v_cache, cu, lens, bt, scale)
     if decode:
-        out = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, scale)
         assert_each_sequence_matches_dense(out, q, ks, vs, scale, tol)
     else:
-        out = paged_attention_varlen_cpu(q, k_cache, v_cache, cu, lens, bt, scale)
         assert_varlen_matches_dense(out, q, cu, ks, vs, scale, tol)
+
+
+@needs_kernel
+# Two sequences, so 2 or 6 (sequence, KV head) pairs: 2, 4, 8, 2 and 3 runs of keys each.
+@pytest.mark.parametrize("threads,num_q_heads,num_kv_heads", [(2, 4, 1), (4, 4, 1), (8, 4, 1), (4, 9, 3), (8, 9, 3)])
+def test_a_decode_of_few_sequences_splits_their_keys_into_runs_and_merges_them(threads, num_q_heads, num_kv_heads):
+    """Two sequences give the threads too few (sequence, KV head) pairs for two items each: the
+    bfloat16 kernel splits each pair's keys into runs, each with a softmax of its own
+    maximum, and the merge must rescale every run's weights to the largest. The runs' maxima differ by
+    construction: each sequence's first five keys lie along its queries and score far above the rest."""
+    q, k_cache, v_cache, bt, lens, ks, vs = decode_batch(
+        num_q_heads, num_kv_heads, torch.bfloat16, seed=threads, kv_lens=(300, 77), head_dim=64, block_size=16
+    )
+    group = num_q_heads // num_kv_heads
+    for seq, k in enumerate(ks):
+        k[:5] = 4 * q[seq].float().view(num_kv_heads, group, 64).mean(1).to(torch.bfloat16)
+        for p in range(5):
+            k_cache[bt[seq, p // 16], p % 16] = k[p]
+    with torch_threads(threads):
+        out = paged_attention_decode_cpu(q, k_cache, v_cache, bt, lens, 64**-0.5)
+    assert_each_sequence_matches_dense(out, q, ks, vs, 64**-0.5, TOL[torch.bfloat16])
 
 
 @needs_kernel
