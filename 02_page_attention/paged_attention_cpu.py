@@ -16,7 +16,8 @@ registers, in two kernels:
   merged with the online softmax's rescaling.
 * **varlen** (prompts, chunks, verification): one work item per tile of up to two registers'
   worth of queries of one sequence that share a KV head, one query per lane, with an online
-  softmax; each run of keys is widened once for the whole tile.
+  softmax; each run of keys is widened once for the whole tile. Sequences that bring one token
+  (decodes beside prompt chunks) go through the decode kernel instead, whose work item fits them.
 
 Measured on the book's 2-core CPU, 2 threads, bfloat16, 9 query / 3 KV heads of 64 (the default
 model), block size 16 (medians of 7–9 runs):

@@ -210,6 +210,28 @@ def test_a_decode_of_few_sequences_splits_their_keys_into_runs_and_merges_them(t
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_batch_sends_its_one_token_sequences_to_the_decode_kernel(dtype):
+    """Decodes beside prompt chunks: the rows of the sequences that bring one token are the
+    decode kernel's output for those sequences alone, bit for bit, and the other rows the varlen
+    kernel's for the others alone (a sequence with no new token has no rows)."""
+    shapes = [(1, 40), (17, 30), (1, 70), (0, 5), (5, 5), (1, 1)]
+    q, k_cache, v_cache, cu, lens, bt, ks, vs = varlen_batch(shapes, 6, 2, 64, 16, dtype, seed=5)
+    out = paged_attention_varlen_cpu(q, k_cache, v_cache, cu, lens, bt, 0.125)
+    assert_varlen_matches_dense(out, q, cu, ks, vs, 0.125, TOL_CPU[dtype])
+    singles = [i for i, (n, _) in enumerate(shapes) if n == 1]
+    rows = cu[singles].long()
+    decoded = paged_attention_decode_cpu(q[rows], k_cache, v_cache, bt[singles], lens[singles], 0.125)
+    assert torch.equal(out[rows], decoded)
+    others = [i for i, (n, _) in enumerate(shapes) if n != 1]
+    other_rows = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in others])
+    sizes = torch.tensor([shapes[i][0] for i in others])
+    other_cu = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]).to(cu.dtype)
+    alone = paged_attention_varlen_cpu(q[other_rows], k_cache, v_cache, other_cu, lens[others], bt[others], 0.125)
+    assert torch.equal(out[other_rows], alone)
+
+
+@needs_kernel
 @pytest.mark.parametrize("shapes", [[(1, 5), (1, 9), (1, 1)], [(4, 4), (1, 9), (3, 12)]], ids=["decode", "varlen"])
 def test_the_store_and_attend_operator_stores_then_attends(shapes):
     """The operator a compiled forward calls: chapter 01's store, then the kernel the shape picks."""
