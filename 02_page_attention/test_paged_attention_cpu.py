@@ -232,7 +232,11 @@ def test_a_mixed_batch_sends_its_one_token_sequences_to_the_decode_kernel(dtype)
 
 
 @needs_kernel
-@pytest.mark.parametrize("shapes", [[(1, 5), (1, 9), (1, 1)], [(4, 4), (1, 9), (3, 12)]], ids=["decode", "varlen"])
+@pytest.mark.parametrize(
+    "shapes",
+    [[(1, 5), (1, 9), (1, 1)], [(4, 4), (1, 9), (3, 12)], [(0, 5), (2, 9)]],
+    ids=["decode", "varlen", "as-many-rows-as-sequences-but-not-one-each"],
+)
 def test_the_store_and_attend_operator_stores_then_attends(shapes):
     """The operator a compiled forward calls: chapter 01's store, then the kernel the shape picks."""
     hq, hkv, d, bs, layers = 4, 2, 16, 4, 3
