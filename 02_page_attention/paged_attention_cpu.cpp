@@ -194,8 +194,9 @@ template <int D, typename T>
 }
 
 // scores[0 .. len) replaced by e^(score - their maximum), whose sum it returns (and the maximum
-// through `maximum`, where given: the lowest float for len 0). The maximum is written as a comparison because GCC leaves a loop of std::max scalar; it starts finite because
-// -ffast-math assumes no infinities.
+// through `maximum`, where given: the lowest float for len 0). The maximum is written as a
+// comparison because GCC leaves a loop of std::max scalar; it starts finite because -ffast-math
+// assumes no infinities.
 inline float softmax_in_place(float* scores, int64_t len, float* maximum = nullptr) {
   float max_score = std::numeric_limits<float>::lowest();
 #pragma omp simd reduction(max : max_score)
@@ -687,7 +688,8 @@ void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
       int64_t next_key = 0;  // the next item's keys prefetched so far
 
       for (int64_t t = 0; t < count; t += kLanes) {
-        for (int64_t j = t + 2 * kLanes; j < std::min(count, t + 3 * kLanes); ++j) prefetch_rows<D>(k_cache + offsets[j], 1, 0);
+        for (int64_t j = t + 2 * kLanes; j < std::min(count, t + 3 * kLanes); ++j)
+          prefetch_rows<D>(k_cache + offsets[j], 1, 0);
         for (int64_t j = t; j < std::min(count, t + kLanes); ++j)
           for (int i = 0; i < D; i += 32) __builtin_prefetch(v_cache + offsets[j] + i, 0, 2);
         for (int64_t h = 0; h < group; ++h) {
@@ -698,7 +700,8 @@ void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
             const at::BFloat16* key = k_cache + offsets[t + j];
             __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), query[0], (__m512bh)_mm512_loadu_si512(key));
 #pragma GCC unroll 8
-            for (int w = 1; w < W; ++w) sum = _mm512_dpbf16_ps(sum, query[w], (__m512bh)_mm512_loadu_si512(key + 32 * w));
+            for (int w = 1; w < W; ++w)
+              sum = _mm512_dpbf16_ps(sum, query[w], (__m512bh)_mm512_loadu_si512(key + 32 * w));
             part[j] = bit_cast<Vec>(sum);
           }
           const Vec dots = sum_lanes(part) * scale;
@@ -716,7 +719,8 @@ void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
         for (int c = 0; c < C; ++c) acc[h * C + c] = _mm512_setzero_ps();
       }
       for (int64_t t = 0; t < count; t += kLanes) {
-        for (int64_t j = t + kLanes; j < std::min(count, t + 2 * kLanes); ++j) prefetch_rows<D>(v_cache + offsets[j], 1, 0);
+        for (int64_t j = t + kLanes; j < std::min(count, t + 2 * kLanes); ++j)
+          prefetch_rows<D>(v_cache + offsets[j], 1, 0);
         for (const int64_t last = std::min(next_count, next_key + next_per_register); next_key < last; ++next_key)
           for (int i = 0; i < D; i += 32) __builtin_prefetch(k_cache + next_offsets[next_key] + i, 0, 2);
         const int64_t n = std::min<int64_t>(kLanes, count - t);
@@ -763,7 +767,8 @@ void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
       if (p[1] == 0.f) continue;
       const float factor = std::exp(p[0] - largest);
       total += p[1] * factor;
-      for (int c = 0; c < C; ++c) sums[c] = _mm512_fmadd_ps(_mm512_loadu_ps(p + 2 + 16 * c), _mm512_set1_ps(factor), sums[c]);
+      for (int c = 0; c < C; ++c)
+        sums[c] = _mm512_fmadd_ps(_mm512_loadu_ps(p + 2 + 16 * c), _mm512_set1_ps(factor), sums[c]);
     }
     store_pair_order<D>(sums, 1.f / total, out + head * D);
   }
